@@ -1,0 +1,81 @@
+"""A validating reader for safetensors files that needs only numpy (bf16 included).
+
+The format is an 8-byte little-endian header length, a JSON header of
+{name: {dtype, shape, data_offsets}}, then the raw tensor bytes. Every offset and shape is
+checked against the file before a tensor is touched, so a damaged file gives a clear error.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from litekv.errors import CheckpointError, UnsupportedTensorType
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+class SafetensorsFile:
+    """Tensors of one .safetensors file, memory-mapped; `read` returns float32 for float dtypes."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            size = self.path.stat().st_size
+            with open(self.path, "rb") as f:
+                raw_len = f.read(8)
+                if len(raw_len) != 8:
+                    raise CheckpointError(f"{self.path}: file is too short to be a safetensors file.")
+                (header_len,) = struct.unpack("<Q", raw_len)
+                if header_len > min(_MAX_HEADER, size - 8):
+                    raise CheckpointError(f"{self.path}: safetensors header length {header_len} is out of range; "
+                                          "the file is truncated or not a safetensors file.")
+                header = json.loads(f.read(header_len))
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot read the file ({e.strerror}).") from e
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{self.path}: safetensors header is not valid JSON; the file is damaged.") from e
+        header.pop("__metadata__", None)
+        self._data_start = 8 + header_len
+        self._data_size = size - self._data_start
+        self._entries = {name: self._check(name, meta) for name, meta in header.items()}
+        self._mmap: np.memmap | None = None
+
+    def _check(self, name: str, meta: dict) -> tuple[str, tuple[int, ...], int, int]:
+        try:
+            dtype, shape, (begin, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{self.path}: header entry for {name!r} is malformed.") from e
+        if dtype not in _DTYPES:
+            raise UnsupportedTensorType(f"{self.path}: tensor {name!r} has dtype {dtype}, which litekv cannot read.")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[dtype]).itemsize
+        if not (0 <= begin <= end <= self._data_size) or end - begin != nbytes:
+            raise CheckpointError(f"{self.path}: tensor {name!r} points outside the file or has the wrong size; "
+                                  "the file is truncated or damaged.")
+        return dtype, shape, begin, end
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def read(self, name: str) -> np.ndarray:
+        dtype, shape, begin, end = self._entries[name]
+        if self._mmap is None:
+            self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
+        raw = self._mmap[self._data_start + begin:self._data_start + end]
+        array = raw.view(_DTYPES[dtype]).reshape(shape)
+        if dtype == "BF16":  # bf16 is the top half of a float32
+            return (array.astype(np.uint32) << 16).view(np.float32)
+        if array.dtype.kind == "f":
+            return array.astype(np.float32)
+        return np.array(array)
+
+    def items(self) -> Iterator[tuple[str, np.ndarray]]:
+        for name in self._entries:
+            yield name, self.read(name)

@@ -1,0 +1,1 @@
+"""Architecture definitions: one module per architecture, written once against `models.ops.Ops`."""

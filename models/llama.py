@@ -1,0 +1,175 @@
+"""Llama family (Llama 2/3.x, SmolLM2): pre-norm blocks, RMSNorm, RoPE, GQA, SwiGLU."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from litekv.errors import ConfigError
+
+from .base import ArchitectureSpec, register
+from .blocks import attention_block, gated_mlp
+from .config import ModelConfig, RopeConfig, as_id_tuple, require
+from .ops import Ops, Tensor
+
+HF_NAMES = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.norm.weight": "final_norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    "model.layers.{i}.input_layernorm.weight": "layers.{i}.attn_norm.weight",
+    "model.layers.{i}.self_attn.q_proj.weight": "layers.{i}.q.weight",
+    "model.layers.{i}.self_attn.k_proj.weight": "layers.{i}.k.weight",
+    "model.layers.{i}.self_attn.v_proj.weight": "layers.{i}.v.weight",
+    "model.layers.{i}.self_attn.q_proj.bias": "layers.{i}.q.bias",
+    "model.layers.{i}.self_attn.k_proj.bias": "layers.{i}.k.bias",
+    "model.layers.{i}.self_attn.v_proj.bias": "layers.{i}.v.bias",
+    "model.layers.{i}.self_attn.o_proj.weight": "layers.{i}.o.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.mlp_norm.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "layers.{i}.gate.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "layers.{i}.up.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "layers.{i}.down.weight",
+}
+
+GGUF_NAMES = {
+    "token_embd.weight": "embed.weight",
+    "output_norm.weight": "final_norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "layers.{i}.attn_norm.weight",
+    "blk.{i}.attn_q.weight": "layers.{i}.q.weight",
+    "blk.{i}.attn_k.weight": "layers.{i}.k.weight",
+    "blk.{i}.attn_v.weight": "layers.{i}.v.weight",
+    "blk.{i}.attn_q.bias": "layers.{i}.q.bias",
+    "blk.{i}.attn_k.bias": "layers.{i}.k.bias",
+    "blk.{i}.attn_v.bias": "layers.{i}.v.bias",
+    "blk.{i}.attn_output.weight": "layers.{i}.o.weight",
+    "blk.{i}.ffn_norm.weight": "layers.{i}.mlp_norm.weight",
+    "blk.{i}.ffn_gate.weight": "layers.{i}.gate.weight",
+    "blk.{i}.ffn_up.weight": "layers.{i}.up.weight",
+    "blk.{i}.ffn_down.weight": "layers.{i}.down.weight",
+}
+
+
+def unpermute_rows(heads: int, w: np.ndarray) -> np.ndarray:
+    """Undo llama.cpp's per-head row interleave (made for interleaved RoPE) -> rotate-half order."""
+    rows = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(heads, rows // heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_TRANSFORMS = {
+    r"layers\.\d+\.q\.(weight|bias)": lambda w, cfg: unpermute_rows(cfg.num_heads, w),
+    r"layers\.\d+\.k\.(weight|bias)": lambda w, cfg: unpermute_rows(cfg.num_kv_heads, w),
+}
+
+
+def forward(ops: Ops, cfg: ModelConfig) -> Tensor:
+    x = ops.embed("embed")
+    for i in range(cfg.num_layers):
+        x = ops.add(x, attention_block(ops, cfg, i, ops.rms_norm(x, f"layers.{i}.attn_norm", cfg.norm_eps)))
+        x = ops.add(x, gated_mlp(ops, cfg, i, ops.rms_norm(x, f"layers.{i}.mlp_norm", cfg.norm_eps)))
+    return ops.logits(ops.rms_norm(x, "final_norm", cfg.norm_eps), "lm_head")
+
+
+def hf_common(c: Mapping[str, Any], where: str, architecture: str, **overrides: Any) -> dict[str, Any]:
+    """Fields every Llama-like Hugging Face config shares."""
+    hidden = int(require(c, "hidden_size", where))
+    heads = int(require(c, "num_attention_heads", where))
+    rope_params = c.get("rope_parameters") or c.get("rope_scaling")
+    fields: dict[str, Any] = dict(
+        architecture=architecture,
+        vocab_size=int(require(c, "vocab_size", where)),
+        hidden_size=hidden,
+        intermediate_size=int(require(c, "intermediate_size", where)),
+        num_layers=int(require(c, "num_hidden_layers", where)),
+        num_heads=heads,
+        num_kv_heads=int(c.get("num_key_value_heads") or heads),
+        head_dim=int(c.get("head_dim") or hidden // heads),
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        rope=RopeConfig.from_hf(rope_params, float(c.get("rope_theta", 10000.0))),
+        max_position=int(c.get("max_position_embeddings", 4096)),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        attention_bias=bool(c.get("attention_bias", False)),
+        bos_token_id=c.get("bos_token_id"),
+        eos_token_ids=as_id_tuple(c.get("eos_token_id")),
+    )
+    fields.update(overrides)
+    return fields
+
+
+def config_from_hf(c: Mapping[str, Any], where: str) -> ModelConfig:
+    if c.get("mlp_bias"):
+        raise_unsupported(where, "mlp_bias=true")
+    if c.get("hidden_act", "silu") != "silu":
+        raise_unsupported(where, f"hidden_act={c.get('hidden_act')!r}")
+    return ModelConfig(**hf_common(c, where, "llama"))
+
+
+def raise_unsupported(where: str, what: str) -> None:
+    raise ConfigError(f"{where}: {what} is not supported by litekv's definition of this architecture.")
+
+
+def gguf_common(meta: Mapping[str, Any], tensor_names: set[str], where: str, architecture: str,
+                **overrides: Any) -> dict[str, Any]:
+    """Fields every Llama-like GGUF shares; keys are prefixed with `general.architecture`."""
+    arch = meta["general.architecture"]
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    def need(key: str) -> Any:
+        return require(meta, f"{arch}.{key}", where)
+
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = get("vocab_size") or (len(tokens) if tokens is not None else None)
+    if vocab is None:
+        vocab = need("vocab_size")
+    if get("rope.scaling.type") not in (None, "none"):
+        kind = get("rope.scaling.type")
+        rope = RopeConfig(theta=float(get("rope.freq_base", 10000.0)), kind=kind,
+                          factor=float(get("rope.scaling.factor", 1.0)))
+    else:
+        rope = RopeConfig(theta=float(get("rope.freq_base", 10000.0)))
+    if "rope_freqs.weight" in tensor_names:
+        raise_unsupported(where, "a rope_freqs tensor (Llama 3.1 rope scaling in GGUF form); convert from the "
+                                 "Hugging Face directory instead, which litekv reads with its rope_scaling")
+    eos = [meta.get("tokenizer.ggml.eos_token_id")]
+    if meta.get("tokenizer.ggml.eot_token_id") is not None:
+        eos.append(meta["tokenizer.ggml.eot_token_id"])
+    fields: dict[str, Any] = dict(
+        architecture=architecture,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv") or heads),
+        head_dim=int(get("attention.key_length") or hidden // heads),
+        norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope=rope,
+        max_position=int(get("context_length", 4096)),
+        tie_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+    )
+    fields.update(overrides)
+    return fields
+
+
+def config_from_gguf(meta: Mapping[str, Any], tensor_names: set[str], where: str) -> ModelConfig:
+    return ModelConfig(**gguf_common(meta, tensor_names, where, "llama"))
+
+
+SPEC = register(ArchitectureSpec(
+    name="llama",
+    hf_model_types=("llama",),
+    gguf_architectures=("llama",),
+    config_from_hf=config_from_hf,
+    config_from_gguf=config_from_gguf,
+    forward=forward,
+    hf_names=HF_NAMES,
+    gguf_names=GGUF_NAMES,
+    gguf_transforms=GGUF_TRANSFORMS,
+))
