@@ -118,3 +118,59 @@ def make_checkpoint(arch: str, directory: str | Path, seed: int = 0) -> Path:
         "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast",
     }))
     return directory
+
+
+def permute_for_interleaved_rope(w: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to llama q/k rows (written independently of litekv's inverse)."""
+    rows = w.shape[0]
+    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def make_gguf(hf_dir: str | Path, path: str | Path, architecture: str = "llama",
+              tensor_type: str = "F32") -> Path:
+    """Write the llama checkpoint in `hf_dir` as a GGUF file, the way llama.cpp lays it out."""
+    import gguf
+
+    from litekv.converters.checkpoint import load_checkpoint
+    from litekv.models.base import architecture as spec_for
+
+    ckpt = load_checkpoint(hf_dir, with_tokenizer=False)
+    cfg = ckpt.config
+    to_gguf = {canon: name for name, canon in spec_for(cfg.architecture).gguf_names.items()}
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_context_length(cfg.max_position)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_rope_freq_base(cfg.rope.theta)
+    writer.add_layer_norm_rms_eps(cfg.norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    qtype = gguf.GGMLQuantizationType[tensor_type]
+    for canon, array in ckpt.weights.items():
+        layer_name = canon.split(".", 2)
+        if canon.startswith("layers."):
+            pattern, i = f"layers.{{i}}.{layer_name[2]}", layer_name[1]
+        else:
+            pattern, i = canon, None
+        name = to_gguf[pattern].format(i=i) if i is not None else to_gguf[pattern]
+        if canon.endswith(".q.weight"):
+            array = permute_for_interleaved_rope(array, cfg.num_heads)
+        elif canon.endswith(".k.weight"):
+            array = permute_for_interleaved_rope(array, cfg.num_kv_heads)
+        if array.ndim == 2 and qtype not in gguf.quants._type_traits and qtype != gguf.GGMLQuantizationType.F32:
+            # a type the gguf package cannot (de)quantize: raw zero blocks of the right size
+            raw = np.zeros(gguf.quant_shape_to_byte_shape(array.shape, qtype), np.uint8)
+            writer.add_tensor(name, raw, raw_dtype=qtype)
+        elif array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
