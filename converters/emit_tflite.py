@@ -1,0 +1,211 @@
+"""TFLite emitter: one subgraph per signature, weights stored once and shared by all of them.
+
+Signature contract (LiteRT-LM conventions): inputs `tokens` int32 [1,T], `input_pos` int32 [T],
+`mask` float32 [1,1,T,S] (0 = attend, -inf-like = masked; `local_mask` too for sliding-window
+layers), `kv_cache_k_<i>` / `kv_cache_v_<i>` float32 [1,S,KVH,D]; outputs the updated caches
+under the same names (written by DYNAMIC_UPDATE_SLICE, so one buffer can be bound in place) and
+`logits` [1,1,V] (decode) or `next_token` int32 [1] (sampling signatures).
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from litekv.models.base import architecture
+from litekv.models.config import ModelConfig
+
+from .graph_ops import GraphOps, LoraSpec, Signature, Sym, rope_tables
+from .quantize import QuantPlan, int4_blockwise, int8_per_channel
+from .tflite_writer import Constant, PerChannelQuant, SubgraphBuilder, TFLiteModelWriter
+
+_BINARY = {"add": "ADD", "sub": "SUB", "mul": "MUL", "div": "DIV"}
+_UNARY = {"rsqrt": "RSQRT", "tanh": "TANH", "sigmoid": "LOGISTIC", "exp": "EXP", "neg": "NEG", "floor": "FLOOR"}
+
+
+class TFLiteWeights:
+    """Weight constants shared by every signature of one model file."""
+
+    def __init__(self, writer: TFLiteModelWriter, weights: Mapping[str, np.ndarray], plan: QuantPlan):
+        self.writer = writer
+        self.weights = weights
+        self.plan = plan
+        self._consts: dict[str, Constant] = {}
+
+    def matmul(self, name: str, parts: Sequence[str]) -> Constant:
+        if name not in self._consts:
+            w = np.concatenate([np.asarray(self.weights[p], np.float32) for p in parts])
+            fmt = self.plan.format_for(name)
+            if fmt == "int8":
+                q, scales = int8_per_channel(w)
+                self._consts[name] = self.writer.add_constant(q, name, "int8", PerChannelQuant(tuple(scales), axis=0))
+            elif fmt == "int4":
+                q, scales = int4_blockwise(w, self.plan.block_size)
+                self._consts[name] = self.writer.add_blockwise_int4(q, scales, name, self.plan.block_size)
+            else:
+                self._consts[name] = self.writer.add_constant(w, name, "float32")
+        return self._consts[name]
+
+    def table(self, name: str) -> Constant:
+        if name not in self._consts:
+            dtype = "float16" if self.plan.embedding == "fp16" else "float32"
+            self._consts[name] = self.writer.add_constant(np.asarray(self.weights[name]), name, dtype)
+        return self._consts[name]
+
+
+class TFLiteOps(GraphOps):
+    def __init__(self, cfg: ModelConfig, store: TFLiteWeights, sg: SubgraphBuilder, sig: Signature,
+                 lora: LoraSpec | None, tables):
+        super().__init__(cfg, store.weights, store.plan, sig, lora, tables)
+        self.store = store
+        self.sg = sg
+        self._count = 0
+        self.kv_outputs: dict[str, Sym] = {}
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _new(self, shape: Sequence[int], dtype: str = "float32") -> Sym:
+        self._count += 1
+        shape = tuple(int(d) for d in shape)
+        return Sym(self.sg.tensor(f"t{self._count}", shape, dtype), shape, dtype)
+
+    def _op(self, name: str, inputs: Sequence[Sym | int], shape: Sequence[int], dtype: str = "float32",
+            **options) -> Sym:
+        out = self._new(shape, dtype)
+        refs = [i.ref if isinstance(i, Sym) else i for i in inputs]
+        self.sg.op(name, refs, [out.ref], **options)
+        return out
+
+    def _ints(self, values: Sequence[int]) -> Sym:
+        arr = np.asarray(values, np.int32)
+        return Sym(self.sg.const(arr, "int32"), arr.shape, "int32")
+
+    def input(self, name: str, shape: Sequence[int], dtype: str = "float32") -> Sym:
+        shape = tuple(int(d) for d in shape)
+        return Sym(self.sg.add_input(name, shape, dtype), shape, dtype)
+
+    # ---- primitives ----------------------------------------------------------------------------
+    def const(self, value: np.ndarray) -> Sym:
+        arr = np.asarray(value)
+        arr = arr.astype(np.float32) if arr.dtype.kind == "f" else arr.astype(np.int32)
+        dtype = "float32" if arr.dtype == np.float32 else "int32"
+        return Sym(self.sg.const(arr, dtype), arr.shape, dtype)
+
+    def binary(self, op: str, a: Sym, b: Sym) -> Sym:
+        shape = np.broadcast_shapes(a.shape, b.shape)
+        return self._op(_BINARY[op], [a, b], shape, a.dtype)
+
+    def unary(self, op: str, x: Sym) -> Sym:
+        return self._op(_UNARY[op], [x], x.shape, x.dtype)
+
+    def mean_last(self, x: Sym) -> Sym:
+        return self._op("MEAN", [x, self._ints([x.rank - 1])], (*x.shape[:-1], 1), keep_dims=True)
+
+    def reshape(self, x: Sym, shape: Sequence[int]) -> Sym:
+        return self._op("RESHAPE", [x, self._ints(shape)], shape, x.dtype, new_shape=[int(d) for d in shape])
+
+    def transpose(self, x: Sym, perm: Sequence[int]) -> Sym:
+        return self._op("TRANSPOSE", [x, self._ints(perm)], [x.shape[p] for p in perm], x.dtype)
+
+    def slice_last(self, x: Sym, start: int, size: int) -> Sym:
+        begin = [0] * (x.rank - 1) + [start]
+        return self._op("SLICE", [x, self._ints(begin), self._ints([*x.shape[:-1], size])],
+                        (*x.shape[:-1], size), x.dtype)
+
+    def last_row(self, x: Sym) -> Sym:
+        b, t, h = x.shape
+        return self._op("SLICE", [x, self._ints([0, t - 1, 0]), self._ints([b, 1, h])], (b, 1, h))
+
+    def concat_last(self, parts: Sequence[Sym]) -> Sym:
+        shape = (*parts[0].shape[:-1], sum(p.shape[-1] for p in parts))
+        return self._op("CONCATENATION", parts, shape, parts[0].dtype, axis=parts[0].rank - 1)
+
+    def gather_rows(self, table: str | np.ndarray, indices: Sym) -> Sym:
+        if isinstance(table, str):
+            const = self.store.table(table)
+        else:
+            const = self.store.writer.add_constant(np.asarray(table, np.float32), f"table{id(table)}")
+        params = Sym(self.sg.use(const), const.shape, const.dtype)
+        out = self._op("GATHER", [params, indices], (*indices.shape, *const.shape[1:]), const.dtype, axis=0)
+        return self._op("DEQUANTIZE", [out], out.shape) if const.dtype == "float16" else out
+
+    def matmul_weight(self, x: Sym, weight: str, parts: Sequence[str]) -> Sym:
+        const = self.store.matmul(weight, parts)
+        w = self.sg.use(const)
+        return self._op("FULLY_CONNECTED", [x, w, -1], (*x.shape[:-1], const.shape[0]), keep_num_dims=True)
+
+    def matmul_input(self, x: Sym, w: Sym) -> Sym:
+        return self._op("FULLY_CONNECTED", [x, w, -1], (*x.shape[:-1], w.shape[0]), keep_num_dims=True)
+
+    def lora_input(self, name: str, shape: tuple[int, int]) -> Sym:
+        return self.input(name, shape)
+
+    # ---- signature plumbing -------------------------------------------------------------------
+    def begin(self) -> None:
+        cfg, t, s = self.cfg, self.sig.tokens, self.sig.capacity
+        self.tokens = self.input("tokens", (1, t), "int32")
+        self.positions = self.input("input_pos", (t,), "int32")
+        self.mask = self.input("mask", (1, 1, t, s))
+        self.local_mask = self.input("local_mask", (1, 1, t, s)) if "sliding" in cfg.layer_types else None
+        kv_shape = (1, s, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_inputs = {}
+        for i in range(cfg.num_layers):
+            for kind in ("k", "v"):
+                name = f"kv_cache_{kind}_{i}"
+                self.kv_inputs[name] = self.input(name, kv_shape)
+        first_pos = self._op("SLICE", [self.positions, self._ints([0]), self._ints([1])], (1,), "int32")
+        self.kv_start = self._op("CONCATENATION", [self._ints([0]), first_pos, self._ints([0, 0])], (4,),
+                                 "int32", axis=0)
+
+    def attention(self, q: Sym, k: Sym, v: Sym, layer: int, window: int | None, scale: float) -> Sym:
+        cfg, t, s = self.cfg, self.sig.tokens, self.sig.capacity
+        kvh, g, d = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
+        caches = []
+        for kind, new in (("k", k), ("v", v)):
+            name = f"kv_cache_{kind}_{layer}"
+            updated = self._op("DYNAMIC_UPDATE_SLICE", [self.kv_inputs[name], new, self.kv_start],
+                               self.kv_inputs[name].shape)
+            self.kv_outputs[name] = updated
+            caches.append(self.reshape(updated, (s, kvh, d)))
+        keys = self.transpose(caches[0], (1, 0, 2))  # [KVH, S, D]
+        values = self.transpose(caches[1], (1, 2, 0))  # [KVH, D, S]: both matmuls read rows (adj_y)
+        q = self.binary("mul", q, self.const(np.float32(scale)))
+        q = self.transpose(self.reshape(q, (t, kvh, g, d)), (1, 2, 0, 3))  # [KVH, G, T, D]
+        q = self.reshape(q, (kvh, g * t, d))
+        scores = self._op("BATCH_MATMUL", [q, keys], (kvh, g * t, s), adj_y=True)
+        mask = self.local_mask if window is not None else self.mask
+        scores = self.binary("add", self.reshape(scores, (kvh, g, t, s)), mask)
+        probs = self._op("SOFTMAX", [self.reshape(scores, (kvh, g * t, s))], (kvh, g * t, s), beta=1.0)
+        out = self._op("BATCH_MATMUL", [probs, values], (kvh, g * t, d), adj_y=True)
+        out = self.transpose(self.reshape(out, (kvh, g, t, d)), (2, 0, 1, 3))  # [T, KVH, G, D]
+        return self.reshape(out, (1, t, cfg.num_heads * d))
+
+    def finish(self, logits: Sym) -> None:
+        for name, sym in self.kv_outputs.items():
+            self.sg.add_output(name, sym.ref)
+        if self.sig.sampler:
+            from .sampling_graph import SamplerInputs, emit_sampler
+
+            params = SamplerInputs(*(self.input(n, (1,), dt) for n, dt in SamplerInputs.FIELDS))
+            token = emit_sampler(self, self.reshape(logits, (1, self.cfg.vocab_size)), params)
+            self.sg.add_output("next_token", token.ref)
+        elif self.sig.logits:
+            self.sg.add_output("logits", logits.ref)
+
+
+def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan,
+                signatures: Sequence[Signature], lora: LoraSpec | None, max_context: int,
+                progress: Callable[[str], None] | None = None) -> TFLiteModelWriter:
+    """Trace every signature of the architecture into one TFLite model (not yet written)."""
+    weights = dict(weights)
+    weights.setdefault("lm_head.weight", weights["embed.weight"])
+    writer = TFLiteModelWriter(description=f"litekv {cfg.architecture}")
+    store = TFLiteWeights(writer, weights, plan)
+    tables = rope_tables(cfg, max_context)
+    forward = architecture(cfg.architecture).forward
+    for sig in signatures:
+        ops = TFLiteOps(cfg, store, writer.add_signature(sig.name), sig, lora, tables)
+        ops.begin()
+        ops.finish(forward(ops, cfg))
+        if progress:
+            progress(sig.name)
+    return writer

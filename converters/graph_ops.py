@@ -1,0 +1,213 @@
+"""The graph-building layer: `models.ops.Ops` on symbolic tensors, shared by the TFLite and ONNX emitters.
+
+Composite operators (RMSNorm, RoPE, activations, fused projections, LoRA) are written here once in
+terms of a handful of primitives; each emitter implements only the primitives, its weight storage
+and its attention (the one place where the formats' KV-cache conventions differ).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from litekv.models.config import ModelConfig, RopeConfig
+
+from .quantize import QuantPlan
+
+LORA_TARGETS = ("q", "k", "v", "o")
+
+
+@dataclass(frozen=True)
+class Sym:
+    """A symbolic tensor: a backend handle plus its static shape and dtype."""
+
+    ref: Any
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True)
+class Signature:
+    """One entry point of a converted model.
+
+    tokens: new tokens per call (T); capacity: KV slots it sees (S); lora: takes LoRA inputs;
+    sampler: returns a sampled token id instead of logits; logits: returns logits at all.
+    """
+
+    name: str
+    tokens: int
+    capacity: int
+    lora: bool = False
+    sampler: bool = False
+    logits: bool = True
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int
+    targets: tuple[str, ...] = LORA_TARGETS
+
+
+def lora_input_names(layer: int, target: str) -> tuple[str, str]:
+    return f"lora_a_{layer}_{target}", f"lora_b_{layer}_{target}"
+
+
+class GraphOps(ABC):
+    """Traces one signature of an architecture definition into a backend graph."""
+
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan,
+                 sig: Signature, lora: LoraSpec | None, rope_tables: Mapping[RopeConfig, tuple[np.ndarray, np.ndarray]]):
+        self.cfg = cfg
+        self.weights = weights
+        self.plan = plan
+        self.sig = sig
+        self.lora = lora if sig.lora else None
+        self.rope_tables = rope_tables
+        self.positions: Sym | None = None  # int32 [T], set by the emitter
+        self.tokens: Sym | None = None  # int32 [1, T]
+        self._rope_cache: dict[RopeConfig, tuple[Sym, Sym]] = {}
+
+    # ---- primitives every emitter implements -------------------------------------------------
+    @abstractmethod
+    def const(self, value: np.ndarray) -> Sym: ...
+
+    @abstractmethod
+    def binary(self, op: str, a: Sym, b: Sym) -> Sym:
+        """op in add, sub, mul, div; numpy broadcasting."""
+
+    @abstractmethod
+    def unary(self, op: str, x: Sym) -> Sym:
+        """op in rsqrt, tanh, sigmoid."""
+
+    @abstractmethod
+    def mean_last(self, x: Sym) -> Sym:
+        """Mean over the last axis, kept as size 1."""
+
+    @abstractmethod
+    def reshape(self, x: Sym, shape: Sequence[int]) -> Sym: ...
+
+    @abstractmethod
+    def slice_last(self, x: Sym, start: int, size: int) -> Sym: ...
+
+    @abstractmethod
+    def concat_last(self, parts: Sequence[Sym]) -> Sym: ...
+
+    @abstractmethod
+    def gather_rows(self, table: str | np.ndarray, indices: Sym) -> Sym:
+        """table[indices] for a weight name (stored once) or a constant array."""
+
+    @abstractmethod
+    def matmul_weight(self, x: Sym, weight: str, parts: Sequence[str]) -> Sym:
+        """x [.., in] @ W^T where W stacks the canonical weights `parts` (stored once, quantized per plan)."""
+
+    @abstractmethod
+    def matmul_input(self, x: Sym, w: Sym) -> Sym:
+        """x [.., in] @ w^T with w a graph input [out, in] (LoRA factors)."""
+
+    @abstractmethod
+    def lora_input(self, name: str, shape: tuple[int, int]) -> Sym: ...
+
+    # ---- models.ops.Ops --------------------------------------------------------------------------
+    def add(self, a: Sym, b: Sym) -> Sym:
+        return self.binary("add", a, b)
+
+    def mul(self, a: Sym, b: Sym) -> Sym:
+        return self.binary("mul", a, b)
+
+    def scale(self, x: Sym, factor: float) -> Sym:
+        return self.binary("mul", x, self.const(np.float32(factor)))
+
+    def embed(self, name: str) -> Sym:
+        return self.gather_rows(f"{name}.weight", self.tokens)
+
+    def rms_norm(self, x: Sym, name: str, eps: float) -> Sym:
+        ms = self.mean_last(self.binary("mul", x, x))
+        inv = self.unary("rsqrt", self.binary("add", ms, self.const(np.float32(eps))))
+        return self.binary("mul", self.binary("mul", x, inv), self.const_weight(f"{name}.weight"))
+
+    def const_weight(self, name: str) -> Sym:
+        """A small float32 weight (norms, biases) kept unquantized."""
+        return self.const(np.asarray(self.weights[name], np.float32))
+
+    def activation(self, x: Sym, kind: str) -> Sym:
+        if kind == "silu":
+            return self.binary("mul", x, self.unary("sigmoid", x))
+        cube = self.binary("mul", self.binary("mul", x, x), x)
+        inner = self.binary("add", x, self.binary("mul", cube, self.const(np.float32(0.044715))))
+        t = self.unary("tanh", self.binary("mul", inner, self.const(np.float32(np.sqrt(2.0 / np.pi)))))
+        half_x = self.binary("mul", x, self.const(np.float32(0.5)))
+        return self.binary("add", half_x, self.binary("mul", half_x, t))
+
+    def split_heads(self, x: Sym, num_heads: int, head_dim: int) -> Sym:
+        return self.reshape(x, (*x.shape[:-1], num_heads, head_dim))
+
+    def rope(self, x: Sym, rope: RopeConfig) -> Sym:
+        if rope not in self._rope_cache:
+            cos_table, sin_table = self.rope_tables[rope]
+            steps, half = self.sig.tokens, cos_table.shape[1]
+            self._rope_cache[rope] = tuple(  # type: ignore[assignment]
+                self.reshape(self.gather_rows(table, self.positions), (1, steps, 1, half))
+                for table in (cos_table, sin_table)
+            )
+        cos, sin = self._rope_cache[rope]
+        half = x.shape[-1] // 2
+        x1, x2 = self.slice_last(x, 0, half), self.slice_last(x, half, half)
+        return self.concat_last([
+            self.binary("sub", self.binary("mul", x1, cos), self.binary("mul", x2, sin)),
+            self.binary("add", self.binary("mul", x2, cos), self.binary("mul", x1, sin)),
+        ])
+
+    def linear(self, x: Sym, name: str) -> Sym:
+        return self.linears(x, (name,))[0]
+
+    def linears(self, x: Sym, names: Sequence[str]) -> tuple[Sym, ...]:
+        fused_name = "+".join(names)
+        y = self.matmul_weight(x, fused_name, [f"{n}.weight" for n in names])
+        if any(f"{n}.bias" in self.weights for n in names):
+            bias = np.concatenate([np.asarray(self.weights.get(f"{n}.bias", np.zeros(self.weights[f"{n}.weight"].shape[0])),
+                                              np.float32) for n in names])
+            y = self.binary("add", y, self.const(bias))
+        outs, start = [], 0
+        for n in names:
+            width = self.weights[f"{n}.weight"].shape[0]
+            part = y if len(names) == 1 else self.slice_last(y, start, width)
+            outs.append(self._with_lora(x, part, n))
+            start += width
+        return tuple(outs)
+
+    def _with_lora(self, x: Sym, y: Sym, name: str) -> Sym:
+        layer_str, _, target = name.partition(".")[2].partition(".")
+        if self.lora is None or target not in self.lora.targets:
+            return y
+        layer = int(layer_str)
+        out_dim, in_dim = self.weights[f"{name}.weight"].shape
+        a_name, b_name = lora_input_names(layer, target)
+        a = self.lora_input(a_name, (self.lora.rank, in_dim))
+        b = self.lora_input(b_name, (out_dim, self.lora.rank))  # alpha / r is folded into B by the runtime
+        return self.binary("add", y, self.matmul_input(self.matmul_input(x, a), b))
+
+    def logits(self, x: Sym, name: str) -> Sym:
+        if x.shape[1] > 1:  # only the last position's logits leave the graph
+            x = self.last_row(x)
+        return self.matmul_weight(x, name, [f"{name}.weight"])
+
+    @abstractmethod
+    def last_row(self, x: Sym) -> Sym:
+        """[B, T, H] -> [B, 1, H] (the last position)."""
+
+
+def rope_tables(cfg: ModelConfig, max_context: int) -> dict[RopeConfig, tuple[np.ndarray, np.ndarray]]:
+    """cos/sin [max_context, D/2] for every RoPE variant the model uses, computed like the reference."""
+    tables = {}
+    for layer in range(cfg.num_layers):
+        rope = cfg.rope_for_layer(layer)
+        if rope not in tables:
+            angles = np.arange(max_context, dtype=np.float32)[:, None] * rope.inverse_frequencies(cfg.head_dim)[None]
+            tables[rope] = (np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32))
+    return tables

@@ -1,0 +1,80 @@
+"""Weight quantization choices and the numpy quantizers both emitters share."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from litekv.errors import ConfigError
+
+WEIGHT_FORMATS = ("fp32", "int8", "int4")
+EMBEDDING_FORMATS = ("fp32", "fp16")
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """How each kind of weight is stored.
+
+    weights: the transformer blocks' projections. lm_head: the output projection (tied models
+    still get their own quantized copy; the embedding table is read by row, so it is kept in
+    `embedding` precision and never pays for a matmul-friendly layout).
+    """
+
+    weights: str = "fp32"
+    lm_head: str = "fp32"
+    embedding: str = "fp32"
+    block_size: int = 32
+
+    def __post_init__(self) -> None:
+        for field, allowed in (("weights", WEIGHT_FORMATS), ("lm_head", WEIGHT_FORMATS),
+                               ("embedding", EMBEDDING_FORMATS)):
+            if getattr(self, field) not in allowed:
+                raise ConfigError(f"unknown {field} quantization {getattr(self, field)!r}; choose one of {allowed}.")
+        if self.block_size <= 0 or self.block_size % 2:
+            raise ConfigError(f"int4 block size must be a positive even number, got {self.block_size}.")
+
+    @classmethod
+    def named(cls, quantize: str, lm_head: str | None = None, embedding: str | None = None) -> "QuantPlan":
+        """The defaults for `--quantize`: the head follows the weights down to int8, the table goes fp16."""
+        if quantize not in WEIGHT_FORMATS:
+            raise ConfigError(f"unknown quantization {quantize!r}; choose one of {', '.join(WEIGHT_FORMATS)}.")
+        default_head = "fp32" if quantize == "fp32" else "int8"
+        default_table = "fp32" if quantize == "fp32" else "fp16"
+        return cls(weights=quantize, lm_head=lm_head or default_head, embedding=embedding or default_table)
+
+    def format_for(self, weight: str) -> str:
+        return self.lm_head if weight.startswith("lm_head") else self.weights
+
+    def to_dict(self) -> dict:
+        return dict(weights=self.weights, lm_head=self.lm_head, embedding=self.embedding, block_size=self.block_size)
+
+
+def int8_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 per output row: returns (q int8 [out, in], scales float32 [out])."""
+    w = np.asarray(w, np.float32)
+    amax = np.max(np.abs(w), axis=1)
+    scales = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / scales[:, None]), -127, 127).astype(np.int8)
+    return q, scales
+
+
+def int4_blockwise(w: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int4 in blocks along the input axis: (q int8 in [-8, 7] [out, in], scales fp16 [out, in/block])."""
+    w = np.asarray(w, np.float32)
+    out_dim, in_dim = w.shape
+    if in_dim % block_size:
+        raise ConfigError(f"input size {in_dim} is not a multiple of the int4 block size {block_size}.")
+    blocks = w.reshape(out_dim, in_dim // block_size, block_size)
+    amax = np.abs(blocks).max(axis=2)
+    # A negative extreme can use level -8, one more than +7 allows.
+    extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=2)[..., None], axis=2)[..., 0]
+    scales = np.where(extreme < 0, amax / 8.0, amax / 7.0)
+    scales16 = np.clip(scales, 2.0 ** -14, 65504.0).astype(np.float16)  # XNNPACK: normal positive fp16
+    q = np.clip(np.rint(blocks / scales16.astype(np.float32)[..., None]), -8, 7)
+    return q.astype(np.int8).reshape(out_dim, in_dim), scales16
+
+
+def dequantize_int4(q: np.ndarray, scales: np.ndarray, block_size: int) -> np.ndarray:
+    out_dim, in_dim = q.shape
+    blocks = q.reshape(out_dim, in_dim // block_size, block_size).astype(np.float32)
+    return (blocks * scales.astype(np.float32)[..., None]).reshape(out_dim, in_dim)
