@@ -193,7 +193,7 @@ class GraphOps(ABC):
         return self.binary("add", y, self.matmul_input(self.matmul_input(x, a), b))
 
     def logits(self, x: Sym, name: str) -> Sym:
-        if x.shape[1] > 1:  # only the last position's logits leave the graph
+        if x.shape[1] != 1:  # only the last position's logits leave the graph
             x = self.last_row(x)
         return self.matmul_weight(x, name, [f"{name}.weight"])
 

@@ -1,0 +1,212 @@
+"""ONNX emitter: one graph with a dynamic token axis serves prefill chunks and decode steps.
+
+Graph contract: inputs `tokens` int32 [1,T], `input_pos` int32 [T], `seqlens_k` int32 [1]
+(= tokens in cache after this call - 1), `total_sequence_length` int32 scalar (same + 1),
+`past_key_<i>` / `past_value_<i>` float32 [1,KVH,S,D]; outputs `logits` [1,1,V] (last
+position) and `present_key_<i>` / `present_value_<i>`. Attention is com.microsoft
+GroupQueryAttention, which writes the new rows into the past buffer when the caller binds the
+same memory as past and present, and reads only the valid length: decode cost follows the
+live context, not S.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from litekv.models.base import architecture
+from litekv.models.config import ModelConfig
+
+from .graph_ops import GraphOps, LoraSpec, Signature, Sym, rope_tables
+from .quantize import QuantPlan, int4_blockwise, int8_per_channel
+
+T_DIM = -1  # marker for the dynamic token axis in static shapes
+IR_VERSION = 10
+OPSET = 21
+_BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div"}
+_ONNX_DTYPE = {"float32": TensorProto.FLOAT, "int32": TensorProto.INT32, "int64": TensorProto.INT64,
+               "float16": TensorProto.FLOAT16}
+
+
+class OnnxOps(GraphOps):
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan, sig: Signature,
+                 lora: LoraSpec | None, tables):
+        super().__init__(cfg, weights, plan, sig, lora, tables)
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self._count = 0
+        self._weights: dict[str, str] = {}
+        self.presents: dict[int, tuple[str, str]] = {}
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _name(self, hint: str = "t") -> str:
+        self._count += 1
+        return f"{hint}_{self._count}"
+
+    def _node(self, op: str, inputs: Sequence[Sym | str], shape: Sequence[int], dtype: str = "float32",
+              domain: str = "", **attrs) -> Sym:
+        out = self._name(op.lower())
+        refs = [i.ref if isinstance(i, Sym) else i for i in inputs]
+        self.nodes.append(helper.make_node(op, refs, [out], domain=domain or None, **attrs))
+        return Sym(out, tuple(shape), dtype)
+
+    def _initializer(self, array: np.ndarray, hint: str) -> str:
+        name = self._name(hint)
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def _ints(self, values: Sequence[int]) -> Sym:
+        arr = np.asarray(values, np.int64)
+        return Sym(self._initializer(arr, "i64"), arr.shape, "int64")
+
+    def input(self, name: str, shape: Sequence[int], dtype: str = "float32") -> Sym:
+        dims = ["T" if d == T_DIM else d for d in shape]
+        self.inputs.append(helper.make_tensor_value_info(name, _ONNX_DTYPE[dtype], dims))
+        return Sym(name, tuple(shape), dtype)
+
+    def output(self, name: str, sym: Sym) -> None:
+        self.nodes.append(helper.make_node("Identity", [sym.ref], [name]))
+        dims = ["T" if d == T_DIM else d for d in sym.shape]
+        self.outputs.append(helper.make_tensor_value_info(name, _ONNX_DTYPE[sym.dtype], dims))
+
+    # ---- primitives ----------------------------------------------------------------------------
+    def const(self, value: np.ndarray) -> Sym:
+        arr = np.asarray(value)
+        arr = arr.astype(np.float32) if arr.dtype.kind == "f" else arr.astype(np.int32)
+        return Sym(self._initializer(arr, "c"), arr.shape, "float32" if arr.dtype == np.float32 else "int32")
+
+    def binary(self, op: str, a: Sym, b: Sym) -> Sym:
+        return self._node(_BINARY[op], [a, b], _broadcast(a.shape, b.shape), a.dtype)
+
+    def unary(self, op: str, x: Sym) -> Sym:
+        if op == "rsqrt":
+            return self._node("Reciprocal", [self._node("Sqrt", [x], x.shape)], x.shape)
+        return self._node({"tanh": "Tanh", "sigmoid": "Sigmoid", "exp": "Exp", "neg": "Neg",
+                           "floor": "Floor"}[op], [x], x.shape, x.dtype)
+
+    def mean_last(self, x: Sym) -> Sym:
+        return self._node("ReduceMean", [x, self._ints([-1])], (*x.shape[:-1], 1), keepdims=1)
+
+    def reshape(self, x: Sym, shape: Sequence[int]) -> Sym:
+        target = []
+        for i, d in enumerate(shape):
+            if d == T_DIM:
+                target.append(0 if i < x.rank and x.shape[i] == T_DIM else -1)
+            else:
+                target.append(d)
+        return self._node("Reshape", [x, self._ints(target)], shape, x.dtype)
+
+    def transpose(self, x: Sym, perm: Sequence[int]) -> Sym:
+        return self._node("Transpose", [x], [x.shape[p] for p in perm], x.dtype, perm=list(perm))
+
+    def slice_last(self, x: Sym, start: int, size: int) -> Sym:
+        return self._node("Slice", [x, self._ints([start]), self._ints([start + size]), self._ints([-1])],
+                          (*x.shape[:-1], size), x.dtype)
+
+    def last_row(self, x: Sym) -> Sym:
+        return self._node("Slice", [x, self._ints([-1]), self._ints([2 ** 31]), self._ints([1])],
+                          (x.shape[0], 1, x.shape[2]))
+
+    def concat_last(self, parts: Sequence[Sym]) -> Sym:
+        shape = (*parts[0].shape[:-1], sum(p.shape[-1] for p in parts))
+        return self._node("Concat", parts, shape, parts[0].dtype, axis=-1)
+
+    def gather_rows(self, table: str | np.ndarray, indices: Sym) -> Sym:
+        if isinstance(table, str):
+            if table not in self._weights:
+                dtype = np.float16 if self.plan.embedding == "fp16" else np.float32
+                self._weights[table] = self._initializer(np.asarray(self.weights[table], dtype), table)
+            params, width, half = self._weights[table], self.weights[table].shape[1], self.plan.embedding == "fp16"
+        else:
+            params, width, half = self._initializer(np.asarray(table, np.float32), "table"), table.shape[1], False
+        out = self._node("Gather", [params, indices], (*indices.shape, width), axis=0)
+        return self._node("Cast", [out], out.shape, to=TensorProto.FLOAT) if half else out
+
+    def matmul_weight(self, x: Sym, weight: str, parts: Sequence[str]) -> Sym:
+        w = np.concatenate([np.asarray(self.weights[p], np.float32) for p in parts])
+        out_dim, in_dim = w.shape
+        shape = (*x.shape[:-1], out_dim)
+        fmt = self.plan.format_for(weight)
+        if fmt == "int4":
+            q, scales = int4_blockwise(w, self.plan.block_size)
+            n_blocks = in_dim // self.plan.block_size
+            nibbles = (q.astype(np.int16) + 8).astype(np.uint8).reshape(out_dim, n_blocks, self.plan.block_size)
+            packed = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+            return self._node("MatMulNBits", [x, self._initializer(packed, weight),
+                                              self._initializer(scales.astype(np.float32), weight + ".scales")],
+                              shape, domain="com.microsoft", K=in_dim, N=out_dim, bits=4,
+                              block_size=self.plan.block_size, accuracy_level=4)
+        if fmt == "int8":
+            q, scales = int8_per_channel(w)
+            deq = self._node("DequantizeLinear", [self._initializer(np.ascontiguousarray(q.T), weight),
+                                                  self._initializer(scales, weight + ".scales"),
+                                                  self._initializer(np.zeros(out_dim, np.int8), weight + ".zp")],
+                             (in_dim, out_dim), axis=1)
+            return self._node("MatMul", [x, deq], shape)
+        return self._node("MatMul", [x, self._initializer(np.ascontiguousarray(w.T), weight)], shape)
+
+    def matmul_input(self, x: Sym, w: Sym) -> Sym:
+        wt = self._node("Transpose", [w], (w.shape[1], w.shape[0]), perm=[1, 0])
+        return self._node("MatMul", [x, wt], (*x.shape[:-1], w.shape[0]))
+
+    def lora_input(self, name: str, shape: tuple[int, int]) -> Sym:
+        return self.input(name, shape)
+
+    # ---- signature plumbing -------------------------------------------------------------------
+    def begin(self, capacity: int) -> None:
+        self.tokens = self.input("tokens", (1, T_DIM), "int32")
+        self.positions = self.input("input_pos", (T_DIM,), "int32")
+        self.seqlens = self.input("seqlens_k", (1,), "int32")
+        self.total = self.input("total_sequence_length", (), "int32")
+        self.capacity = capacity
+
+    def attention(self, q: Sym, k: Sym, v: Sym, layer: int, window: int | None, scale: float) -> Sym:
+        cfg = self.cfg
+        kv_shape = (1, cfg.num_kv_heads, self.capacity, cfg.head_dim)
+        past_k = self.input(f"past_key_{layer}", kv_shape)
+        past_v = self.input(f"past_value_{layer}", kv_shape)
+        flat = [self.reshape(x, (1, T_DIM, x.shape[2] * x.shape[3])) for x in (q, k, v)]
+        out, present_k, present_v = (self._name("attn"), f"present_key_{layer}", f"present_value_{layer}")
+        self.nodes.append(helper.make_node(
+            "GroupQueryAttention", [*(f.ref for f in flat), past_k.ref, past_v.ref, self.seqlens.ref, self.total.ref],
+            [out, present_k, present_v], domain="com.microsoft", num_heads=cfg.num_heads,
+            kv_num_heads=cfg.num_kv_heads, scale=float(scale), local_window_size=window if window else -1))
+        for name in (present_k, present_v):
+            self.outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, list(kv_shape)))
+        return Sym(out, (1, T_DIM, cfg.num_heads * cfg.head_dim))
+
+    def finish(self, logits: Sym) -> onnx.ModelProto:
+        self.output("logits", logits)
+        graph = helper.make_graph(self.nodes, f"litekv_{self.cfg.architecture}", self.inputs, self.outputs,
+                                  self.initializers)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                        helper.make_opsetid("com.microsoft", 1)],
+                                  producer_name="litekv")
+        model.ir_version = IR_VERSION
+        return model
+
+
+def _broadcast(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
+    """numpy broadcasting where T_DIM (dynamic) wins over 1."""
+    a, b = tuple(a), tuple(b)
+    rank = max(len(a), len(b))
+    a, b = (1,) * (rank - len(a)) + a, (1,) * (rank - len(b)) + b
+    return tuple(T_DIM if T_DIM in (x, y) else max(x, y) for x, y in zip(a, b))
+
+
+def emit_onnx(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan, lora: LoraSpec | None,
+              max_context: int, progress: Callable[[str], None] | None = None) -> onnx.ModelProto:
+    """Trace the architecture once into an ONNX model with a dynamic token axis."""
+    weights = dict(weights)
+    weights.setdefault("lm_head.weight", weights["embed.weight"])
+    sig = Signature("model", T_DIM, max_context, lora=lora is not None)
+    ops = OnnxOps(cfg, weights, plan, sig, lora, rope_tables(cfg, max_context))
+    ops.begin(max_context)
+    model = ops.finish(architecture(cfg.architecture).forward(ops, cfg))
+    if progress:
+        progress("model")
+    return model
