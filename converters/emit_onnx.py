@@ -156,6 +156,46 @@ class OnnxOps(GraphOps):
     def lora_input(self, name: str, shape: tuple[int, int]) -> Sym:
         return self.input(name, shape)
 
+    def int_op(self, op: str, a: Sym, b: Sym) -> Sym:
+        name = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "mod": "Mod", "min": "Min"}[op]
+        return self._node(name, [a, b], _broadcast(a.shape, b.shape), "int32")
+
+    def _compare(self, op: str, a: Sym, b: Sym, to: int, dtype: str) -> Sym:
+        flags = self._node({"le": "LessOrEqual", "lt": "Less"}[op], [a, b], _broadcast(a.shape, b.shape), "bool")
+        return self._node("Cast", [flags], flags.shape, dtype, to=to)
+
+    def int_compare(self, op: str, a: Sym, b: Sym) -> Sym:
+        return self._compare(op, a, b, TensorProto.INT32, "int32")
+
+    def float_compare(self, op: str, a: Sym, b: Sym) -> Sym:
+        return self._compare(op, a, b, TensorProto.FLOAT, "float32")
+
+    def to_float(self, x: Sym) -> Sym:
+        return self._node("Cast", [x], x.shape, "float32", to=TensorProto.FLOAT)
+
+    def to_int(self, x: Sym) -> Sym:
+        return self._node("Cast", [x], x.shape, "int32", to=TensorProto.INT32)
+
+    def topk(self, x: Sym, k: int) -> tuple[Sym, Sym]:
+        shape = (*x.shape[:-1], k)
+        values, indices = self._name("topk_values"), self._name("topk_indices")
+        self.nodes.append(helper.make_node("TopK", [x.ref, self._ints([k]).ref], [values, indices], axis=-1))
+        return Sym(values, shape), self.to_int(Sym(indices, shape, "int64"))
+
+    def softmax_last(self, x: Sym) -> Sym:
+        return self._node("Softmax", [x], x.shape, axis=-1)
+
+    def cumsum_last(self, x: Sym) -> Sym:
+        axis = Sym(self._initializer(np.asarray(-1, np.int32), "axis"), (), "int32")
+        return self._node("CumSum", [x, axis], x.shape)
+
+    def reduce_sum_last(self, x: Sym) -> Sym:
+        return self._node("ReduceSum", [x, self._ints([-1])], (*x.shape[:-1], 1), x.dtype, keepdims=1)
+
+    def gather_index(self, values: Sym, index: Sym) -> Sym:
+        flat = self.reshape(values, (values.shape[-1],))
+        return self._node("Gather", [flat, self.reshape(index, (1,))], (1,), "int32", axis=0)
+
     # ---- signature plumbing -------------------------------------------------------------------
     def begin(self, capacity: int) -> None:
         self.tokens = self.input("tokens", (1, T_DIM), "int32")
@@ -209,4 +249,22 @@ def emit_onnx(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPl
     model = ops.finish(architecture(cfg.architecture).forward(ops, cfg))
     if progress:
         progress("model")
+    return model
+
+
+def emit_onnx_sampler(cfg: ModelConfig) -> onnx.ModelProto:
+    """A small companion model: logits [1,1,V] + sampler inputs -> `next_token` int32 [1].
+
+    Bound to the main model's logits buffer through IO binding, so logits never pass through Python.
+    """
+    from .sampling_graph import SamplerInputs, emit_sampler
+
+    ops = OnnxOps(cfg, {}, QuantPlan(), Signature("sampler", 1, 1), None, {})
+    logits = ops.input("logits", (1, 1, cfg.vocab_size))
+    params = SamplerInputs(*(ops.input(n, (1,), dt) for n, dt in SamplerInputs.FIELDS))
+    token = emit_sampler(ops, ops.reshape(logits, (1, cfg.vocab_size)), params)
+    ops.output("next_token", token)
+    graph = helper.make_graph(ops.nodes, "litekv_sampler", ops.inputs, ops.outputs, ops.initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="litekv")
+    model.ir_version = IR_VERSION
     return model

@@ -139,6 +139,47 @@ class TFLiteOps(GraphOps):
     def lora_input(self, name: str, shape: tuple[int, int]) -> Sym:
         return self.input(name, shape)
 
+    def int_op(self, op: str, a: Sym, b: Sym) -> Sym:
+        name = {"add": "ADD", "sub": "SUB", "mul": "MUL", "div": "FLOOR_DIV", "mod": "FLOOR_MOD", "min": "MINIMUM"}[op]
+        return self._op(name, [a, b], np.broadcast_shapes(a.shape, b.shape), "int32")
+
+    def _compare(self, op: str, a: Sym, b: Sym, dtype: str) -> Sym:
+        flags = self._op({"le": "LESS_EQUAL", "lt": "LESS"}[op], [a, b], np.broadcast_shapes(a.shape, b.shape), "bool")
+        return self._op("CAST", [flags], flags.shape, dtype)
+
+    def int_compare(self, op: str, a: Sym, b: Sym) -> Sym:
+        return self._compare(op, a, b, "int32")
+
+    def float_compare(self, op: str, a: Sym, b: Sym) -> Sym:
+        return self._compare(op, a, b, "float32")
+
+    def to_float(self, x: Sym) -> Sym:
+        return self._op("CAST", [x], x.shape, "float32")
+
+    def to_int(self, x: Sym) -> Sym:
+        return self._op("CAST", [x], x.shape, "int32")
+
+    def topk(self, x: Sym, k: int) -> tuple[Sym, Sym]:
+        shape = (*x.shape[:-1], k)
+        values, indices = self._new(shape), self._new(shape, "int32")
+        k_const = Sym(self.sg.const(np.asarray(k, np.int32), "int32"), (), "int32")
+        self.sg.op("TOPK_V2", [x.ref, k_const.ref], [values.ref, indices.ref])
+        return values, indices
+
+    def softmax_last(self, x: Sym) -> Sym:
+        return self._op("SOFTMAX", [x], x.shape, beta=1.0)
+
+    def cumsum_last(self, x: Sym) -> Sym:
+        axis = Sym(self.sg.const(np.asarray(x.rank - 1, np.int32), "int32"), (), "int32")
+        return self._op("CUMSUM", [x, axis], x.shape)
+
+    def reduce_sum_last(self, x: Sym) -> Sym:
+        return self._op("SUM", [x, self._ints([x.rank - 1])], (*x.shape[:-1], 1), x.dtype, keep_dims=True)
+
+    def gather_index(self, values: Sym, index: Sym) -> Sym:
+        flat = self.reshape(values, (values.shape[-1],))
+        return self._op("GATHER", [flat, self.reshape(index, (1,))], (1,), "int32", axis=0)
+
     # ---- signature plumbing -------------------------------------------------------------------
     def begin(self) -> None:
         cfg, t, s = self.cfg, self.sig.tokens, self.sig.capacity

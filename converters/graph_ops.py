@@ -113,6 +113,43 @@ class GraphOps(ABC):
     @abstractmethod
     def lora_input(self, name: str, shape: tuple[int, int]) -> Sym: ...
 
+    # ---- primitives for in-graph sampling (see sampling_graph) -----------------------------------
+    @abstractmethod
+    def int_op(self, op: str, a: Sym, b: Sym) -> Sym:
+        """int32 add, sub, mul, div (floor; operands are non-negative), mod, min."""
+
+    @abstractmethod
+    def int_compare(self, op: str, a: Sym, b: Sym) -> Sym:
+        """int32 le / lt -> int32 0 or 1."""
+
+    @abstractmethod
+    def float_compare(self, op: str, a: Sym, b: Sym) -> Sym:
+        """float32 le / lt -> float32 0.0 or 1.0."""
+
+    @abstractmethod
+    def to_float(self, x: Sym) -> Sym: ...
+
+    @abstractmethod
+    def to_int(self, x: Sym) -> Sym: ...
+
+    @abstractmethod
+    def topk(self, x: Sym, k: int) -> tuple[Sym, Sym]:
+        """Largest k along the last axis, sorted: (values float32, indices int32)."""
+
+    @abstractmethod
+    def softmax_last(self, x: Sym) -> Sym: ...
+
+    @abstractmethod
+    def cumsum_last(self, x: Sym) -> Sym: ...
+
+    @abstractmethod
+    def reduce_sum_last(self, x: Sym) -> Sym:
+        """Sum over the last axis, kept as size 1."""
+
+    @abstractmethod
+    def gather_index(self, values: Sym, index: Sym) -> Sym:
+        """values [1, k] int32 at index [1, 1] -> [1]."""
+
     # ---- models.ops.Ops --------------------------------------------------------------------------
     def add(self, a: Sym, b: Sym) -> Sym:
         return self.binary("add", a, b)

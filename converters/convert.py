@@ -1,0 +1,265 @@
+"""Checkpoint -> bundle: options, signature planning, emission, and an atomic bundle write.
+
+    python -m litekv.converters.convert SOURCE -o OUT --backend litert --quantize int8
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from litekv.bundle import BACKENDS, MANIFEST, Manifest, SignatureInfo, write_atomic
+from litekv.errors import ConfigError, LitekvError
+from litekv.models.config import ModelConfig
+
+from .checkpoint import load_checkpoint
+from .graph_ops import LORA_TARGETS, LoraSpec, Signature
+from .progress import ProgressBar
+from .quantize import EMBEDDING_FORMATS, WEIGHT_FORMATS, QuantPlan
+
+DEFAULT_PREFILL = (32, 128, 512)
+SMALLEST_BUCKET = 256
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    backend: str = "litert"
+    quantize: str = "fp32"
+    max_context: int = 4096
+    prefill_lengths: tuple[int, ...] = DEFAULT_PREFILL
+    lora_rank: int | None = None
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    kv_buckets: tuple[int, ...] | None = None  # TFLite capacity buckets; default doubles from 256
+    lm_head: str | None = None
+    embedding: str | None = None
+    sampler: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}.")
+        if self.quantize not in WEIGHT_FORMATS:
+            raise ConfigError(f"unknown quantization {self.quantize!r}; choose one of {', '.join(WEIGHT_FORMATS)}.")
+        if self.max_context <= 0:
+            raise ConfigError(f"--max-context must be positive, got {self.max_context}.")
+        if not self.prefill_lengths or any(t <= 0 for t in self.prefill_lengths):
+            raise ConfigError(f"prefill lengths must be positive integers, got {list(self.prefill_lengths)}.")
+        too_long = [t for t in self.prefill_lengths if t > self.max_context]
+        if too_long:
+            raise ConfigError(f"prefill length {too_long[0]} is above the max context {self.max_context}; "
+                              "lower it or raise --max-context.")
+        if self.lora_rank is not None and self.lora_rank < 1:
+            raise ConfigError(f"--lora-rank must be at least 1, got {self.lora_rank}; omit it for no LoRA inputs.")
+        unknown = set(self.lora_targets) - set(LORA_TARGETS)
+        if unknown:
+            raise ConfigError(f"unknown LoRA targets {sorted(unknown)}; choose from {', '.join(LORA_TARGETS)}.")
+        if self.kv_buckets is not None:
+            b = list(self.kv_buckets)
+            if b != sorted(set(b)) or b[-1] != self.max_context or b[0] <= 0:
+                raise ConfigError(f"KV buckets must increase and end at the max context {self.max_context}, got {b}.")
+        QuantPlan.named(self.quantize, self.lm_head, self.embedding)  # validates the head/table choices
+
+    @property
+    def plan(self) -> QuantPlan:
+        return QuantPlan.named(self.quantize, self.lm_head, self.embedding)
+
+    @property
+    def lora(self) -> LoraSpec | None:
+        return None if self.lora_rank is None else LoraSpec(self.lora_rank, tuple(self.lora_targets))
+
+    def buckets(self) -> tuple[int, ...]:
+        if self.backend == "onnx":  # GroupQueryAttention reads only the valid length
+            return (self.max_context,)
+        if self.kv_buckets is not None:
+            return self.kv_buckets
+        out, size = [], SMALLEST_BUCKET
+        while size < self.max_context:
+            out.append(size)
+            size *= 2
+        return (*out, self.max_context)
+
+
+def tflite_signatures(opts: ConvertOptions) -> list[Signature]:
+    """Prefill, decode and sampling entry points for every capacity bucket (suffix-free at max)."""
+    lora = opts.lora_rank is not None
+    sigs = []
+    for capacity in opts.buckets():
+        suffix = "" if capacity == opts.max_context else f"_s{capacity}"
+        for tokens in sorted(set(opts.prefill_lengths)):
+            if tokens <= capacity:
+                sigs.append(Signature(f"prefill_{tokens}{suffix}", tokens, capacity, lora, logits=False))
+        sigs.append(Signature(f"decode{suffix}", 1, capacity, lora))
+        if opts.sampler:
+            sigs.append(Signature(f"sample{suffix}", 1, capacity, lora, sampler=True))
+    return sigs
+
+
+def fingerprint(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan) -> str:
+    """Identifies the model (weights, config, quantization) independently of the backend."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(json.dumps(cfg.to_dict(), sort_keys=True).encode())
+    digest.update(json.dumps(plan.to_dict(), sort_keys=True).encode())
+    for name in sorted(weights):
+        digest.update(name.encode())
+        digest.update(np.ascontiguousarray(weights[name], np.float32).tobytes())
+    return digest.hexdigest()
+
+
+def _writable_parent(output: Path) -> Path:
+    parent = output.resolve().parent
+    if not parent.is_dir():
+        raise ConfigError(f"cannot write {output}: the directory {parent} does not exist.")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"cannot write {output}: {parent} is not writable; choose another output directory.")
+    if output.exists() and not (output / MANIFEST).exists() and any(output.iterdir()):
+        raise ConfigError(f"{output} exists and is not a litekv bundle; refusing to overwrite it.")
+    return parent
+
+
+def convert(source: str | Path, output: str | Path, options: ConvertOptions = ConvertOptions(),
+            show_progress: bool = False) -> Path:
+    """Convert a GGUF file or Hugging Face directory into a bundle directory at `output`.
+
+    The bundle is assembled in a temporary directory beside `output` and moved into place only
+    when complete, so a failure never leaves a half-written bundle.
+    """
+    output = Path(output)
+    parent = _writable_parent(output)
+    started = time.perf_counter()
+    bar = ProgressBar(enabled=show_progress)
+    ckpt = load_checkpoint(source, progress=bar.stage("loading weights"))
+    cfg = ckpt.config
+    if options.max_context > cfg.max_position:
+        raise ConfigError(f"--max-context {options.max_context} exceeds what {cfg.architecture} was trained for "
+                          f"({cfg.max_position}).")
+    staging = Path(tempfile.mkdtemp(dir=parent, prefix=f".{output.name}.partial-"))
+    try:
+        manifest = _emit(ckpt, options, staging, bar)
+        ckpt.tokenizer.save(staging)
+        elapsed = time.perf_counter() - started
+        manifest = _finish_manifest(manifest, staging, {"path": str(source), "format": ckpt.format,
+                                                        "convert_seconds": round(elapsed, 2)})
+        write_atomic(staging / MANIFEST, manifest.to_json())
+        if output.exists():
+            shutil.rmtree(output)
+        os.replace(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    bar.done(f"wrote {output} in {time.perf_counter() - started:.1f}s")
+    return output
+
+
+def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Manifest:
+    cfg, plan = ckpt.config, options.plan
+    if options.backend == "litert":
+        from .emit_tflite import emit_tflite
+
+        sigs = tflite_signatures(options)
+        tick = bar.stage("tracing signatures")
+        writer = emit_tflite(cfg, ckpt.weights, plan, sigs, options.lora, options.max_context,
+                             progress=lambda name, n=iter(range(1, len(sigs) + 1)): tick(next(n), len(sigs), name))
+        writer.write(staging / "model.tflite")
+        bar.stage("writing model.tflite")(1, 1, f"{writer.data_bytes() / 1e6:.0f} MB of weights")
+        infos = tuple(SignatureInfo(s.name, "sample" if s.sampler else ("decode" if s.tokens == 1 and s.logits
+                                                                         else "prefill"),
+                                    s.tokens, s.capacity, s.lora, tuple(sg.inputs), tuple(sg.outputs))
+                      for s, sg in zip(sigs, writer.subgraphs))
+        model_file, layout, sampler_file = "model.tflite", "BSHD", None
+    else:
+        import onnx
+
+        from .emit_onnx import emit_onnx, emit_onnx_sampler
+
+        model = emit_onnx(cfg, ckpt.weights, plan, options.lora, options.max_context)
+        bar.stage("tracing graph")(1, 1, f"{len(model.graph.node)} nodes")
+        onnx.save_model(model, str(staging / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location="model.onnx.data", size_threshold=1024)
+        sampler_file = None
+        if options.sampler:
+            onnx.save_model(emit_onnx_sampler(cfg), str(staging / "sampler.onnx"))
+            sampler_file = "sampler.onnx"
+        bar.stage("writing model.onnx")(1, 1, "")
+        infos = (SignatureInfo("model", "step", -1, options.max_context, options.lora_rank is not None,
+                               tuple(i.name for i in model.graph.input), tuple(o.name for o in model.graph.output)),)
+        model_file, layout = "model.onnx", "BHSD"
+    tok = ckpt.tokenizer
+    return Manifest(
+        backend=options.backend, model_file=model_file, config=cfg, max_context=options.max_context,
+        prefill_lengths=tuple(sorted(set(options.prefill_lengths))), kv_buckets=options.buckets(),
+        kv_layout=layout, kv_dtype="float32", quantization=plan.to_dict(), lora_rank=options.lora_rank,
+        lora_targets=tuple(options.lora_targets) if options.lora_rank else (), signatures=infos,
+        fingerprint=fingerprint(cfg, ckpt.weights, plan), chat_template=tok.chat_template,
+        bos_token_id=tok.bos_token_id, eos_token_ids=tuple(tok.eos_token_ids), sampler_file=sampler_file,
+    )
+
+
+def _finish_manifest(manifest: Manifest, staging: Path, source: dict) -> Manifest:
+    sizes = {p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file()}
+    return Manifest(**{**manifest.__dict__, "file_sizes": sizes, "source": source})
+
+
+# ---- command line --------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", help="GGUF file or Hugging Face model directory")
+    parser.add_argument("-o", "--output", required=True, help="bundle directory to write")
+    parser.add_argument("--backend", choices=BACKENDS, default="litert")
+    parser.add_argument("--quantize", choices=WEIGHT_FORMATS, default="fp32")
+    parser.add_argument("--lm-head", choices=WEIGHT_FORMATS, help="LM head precision (default: int8 if quantized)")
+    parser.add_argument("--embedding", choices=EMBEDDING_FORMATS, help="embedding table precision")
+    parser.add_argument("--max-context", type=int, default=4096)
+    parser.add_argument("--prefill-lengths", default=",".join(map(str, DEFAULT_PREFILL)),
+                        help="comma-separated prefill signature lengths")
+    parser.add_argument("--kv-buckets", help="comma-separated KV capacities (TFLite), ending at --max-context")
+    parser.add_argument("--lora-rank", type=int, help="add LoRA inputs of this rank on q, k, v and o")
+    parser.add_argument("--no-sampler", action="store_true", help="omit the in-graph sampling entry points")
+
+
+def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise ConfigError(f"{flag} takes comma-separated integers, got {text!r}.") from e
+
+
+def options_from_args(args: argparse.Namespace) -> ConvertOptions:
+    return ConvertOptions(
+        backend=args.backend, quantize=args.quantize, max_context=args.max_context,
+        prefill_lengths=_ints(args.prefill_lengths, "--prefill-lengths"), lora_rank=args.lora_rank,
+        kv_buckets=_ints(args.kv_buckets, "--kv-buckets"), lm_head=args.lm_head, embedding=args.embedding,
+        sampler=not args.no_sampler,
+    )
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    path = convert(args.source, args.output, options_from_args(args), show_progress=True)
+    manifest = json.loads((path / MANIFEST).read_text())
+    for name, size in manifest["file_sizes"].items():
+        print(f"  {name:<24} {size / 1e6:10.1f} MB")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="litekv-convert", description="Convert a checkpoint into a litekv bundle.")
+    add_arguments(parser)
+    try:
+        return run_from_args(parser.parse_args(argv))
+    except LitekvError as e:
+        print(f"litekv-convert: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""A converted model bundle: the model file, its tokenizer and the `litekv.json` manifest.
+
+The manifest is the contract between the converter and the executors: signatures with their
+token count and KV capacity, the KV layout, quantization, LoRA inputs and the model fingerprint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from litekv.errors import LitekvError
+from litekv.models.config import ModelConfig
+
+MANIFEST = "litekv.json"
+FORMAT = "litekv-bundle"
+VERSION = 1
+BACKENDS = ("litert", "onnx")
+
+
+class BundleError(LitekvError):
+    """A bundle directory is missing, incomplete or from an incompatible litekv version."""
+
+
+@dataclass(frozen=True)
+class SignatureInfo:
+    name: str
+    kind: str  # prefill | decode | sample
+    tokens: int  # new tokens per call; -1 = dynamic (ONNX)
+    capacity: int  # KV slots the signature sees
+    lora: bool
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    backend: str
+    model_file: str
+    config: ModelConfig
+    max_context: int
+    prefill_lengths: tuple[int, ...]
+    kv_buckets: tuple[int, ...]
+    kv_layout: str  # "BSHD": [batch, slot, kv_head, dim] (TFLite); "BHSD" (ONNX GQA)
+    kv_dtype: str
+    quantization: dict[str, Any]
+    lora_rank: int | None
+    lora_targets: tuple[str, ...]
+    signatures: tuple[SignatureInfo, ...]
+    fingerprint: str
+    chat_template: str | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    file_sizes: dict[str, int] = field(default_factory=dict)
+    source: dict[str, Any] = field(default_factory=dict)
+    sampler_file: str | None = None
+
+    def signature(self, name: str) -> SignatureInfo:
+        for sig in self.signatures:
+            if sig.name == name:
+                return sig
+        raise BundleError(f"the bundle has no signature {name!r}; it has {', '.join(s.name for s in self.signatures)}.")
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["config"] = self.config.to_dict()
+        return json.dumps({"format": FORMAT, "version": VERSION, **data}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> "Manifest":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise BundleError(f"{where}: the manifest is not valid JSON ({e}); reconvert the model.") from e
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise BundleError(f"{where}: not a litekv bundle manifest.")
+        if data.get("version") != VERSION:
+            raise BundleError(f"{where}: bundle format version {data.get('version')} is not supported by this "
+                              f"litekv (it reads version {VERSION}); reconvert the model or upgrade litekv.")
+        try:
+            data.pop("format"), data.pop("version")
+            data["config"] = ModelConfig.from_dict(data["config"])
+            data["signatures"] = tuple(SignatureInfo(**{**s, "inputs": tuple(s["inputs"]),
+                                                        "outputs": tuple(s["outputs"])}) for s in data["signatures"])
+            for key in ("prefill_lengths", "kv_buckets", "lora_targets", "eos_token_ids"):
+                data[key] = tuple(data[key])
+            return cls(**data)
+        except (KeyError, TypeError) as e:
+            raise BundleError(f"{where}: the manifest is incomplete ({e}); reconvert the model.") from e
+
+
+def read_manifest(bundle: str | Path) -> Manifest:
+    path = Path(bundle) / MANIFEST
+    try:
+        text = path.read_text()
+    except FileNotFoundError as e:
+        raise BundleError(f"{bundle}: no {MANIFEST}; pass a directory made by `litekv convert`.") from e
+    except OSError as e:
+        raise BundleError(f"{path}: cannot be read ({e.strerror}).") from e
+    manifest = Manifest.from_json(text, str(path))
+    if not (Path(bundle) / manifest.model_file).exists():
+        raise BundleError(f"{bundle}: the model file {manifest.model_file} is missing; reconvert the model.")
+    return manifest
+
+
+def write_atomic(path: Path, data: bytes | str) -> None:
+    """Write a file so readers see the old or the new content, never a torn one."""
+    path = Path(path)
+    raw = data.encode() if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
