@@ -19,7 +19,7 @@ from litekv.errors import (CheckpointError, CheckpointNotFound, MissingDependenc
 from litekv.models.base import ArchitectureSpec, canonical_shapes, for_gguf_architecture, for_hf_model_type
 from litekv.models.config import ModelConfig
 
-from .safetensors_reader import SafetensorsFile
+from litekv.safetensors_reader import SafetensorsFile
 
 log = logging.getLogger("litekv.checkpoint")
 

@@ -47,3 +47,32 @@ class ChatTemplateError(LitekvError):
 
 class ContextFull(LitekvError):
     """The KV cache has no room for the tokens of this call."""
+
+
+class BackendError(LitekvError):
+    """The inference backend (LiteRT) returned an error; ``status`` is its status code."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class AcceleratorUnavailable(LitekvError):
+    """The requested accelerator ("gpu", "npu", ...) cannot be used; ``reason`` says why.
+
+    litekv never falls back to another accelerator silently: choose one explicitly.
+    """
+
+    def __init__(self, accelerator: str, reason: str):
+        super().__init__(f"accelerator {accelerator!r} is unavailable: {reason}")
+        self.accelerator = accelerator
+        self.reason = reason
+
+
+class BindingError(LitekvError, ValueError):
+    """Buffers do not fit a model signature: an input or output is missing or unknown, or
+    an array has the wrong shape or dtype, is not C-contiguous or not 64-byte aligned."""
+
+
+class Cancelled(LitekvError):
+    """The call was cancelled (e.g. ``cancel()`` from another thread) before it finished."""

@@ -53,6 +53,7 @@ class NumpyOps:
     positions: np.ndarray  # [T] int
     cache: ArrayKVCache
     last_logits_only: bool
+    lora: Mapping[tuple[int, str], tuple[np.ndarray, np.ndarray]] | None = None
     fused: dict[tuple[str, ...], np.ndarray] = field(default_factory=dict)
     rope_tables: dict[RopeConfig, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
@@ -60,9 +61,7 @@ class NumpyOps:
         return self.weights[f"{name}.weight"][self.tokens]
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
-        y = x @ self.weights[f"{name}.weight"].T
-        bias = self.weights.get(f"{name}.bias")
-        return y if bias is None else y + bias
+        return self.linears(x, (name,))[0]
 
     def linears(self, x: np.ndarray, names: Sequence[str]) -> tuple[np.ndarray, ...]:
         key = tuple(names)
@@ -74,9 +73,17 @@ class NumpyOps:
             width = self.weights[f"{n}.weight"].shape[0]
             part = y[..., start:start + width]
             bias = self.weights.get(f"{n}.bias")
-            outs.append(part if bias is None else part + bias)
+            outs.append(self._with_lora(x, part if bias is None else part + bias, n))
             start += width
         return tuple(outs)
+
+    def _with_lora(self, x: np.ndarray, y: np.ndarray, name: str) -> np.ndarray:
+        """Adds B (A x) for a LoRA adapter on this projection (alpha / r already in B)."""
+        if not self.lora:
+            return y
+        _, layer, target = name.split(".")
+        factors = self.lora.get((int(layer), target))
+        return y if factors is None else y + (x @ factors[0].T) @ factors[1].T
 
     def rms_norm(self, x: np.ndarray, name: str, eps: float) -> np.ndarray:
         ms = np.mean(np.square(x), axis=-1, keepdims=True)
@@ -157,7 +164,8 @@ class ReferenceModel:
             raise ConfigError(f"cache capacity and batch size must be positive, got {capacity}, {batch_size}.")
         return ArrayKVCache.allocate(self.config, capacity, batch_size)
 
-    def forward(self, tokens: np.ndarray, cache: ArrayKVCache, last_logits_only: bool = False) -> np.ndarray:
+    def forward(self, tokens: np.ndarray, cache: ArrayKVCache, last_logits_only: bool = False,
+                lora: Mapping[tuple[int, str], tuple[np.ndarray, np.ndarray]] | None = None) -> np.ndarray:
         """Run tokens [B, T] (or [T]) after the cache's tokens; returns logits [B, T|1, V] float32."""
         tokens = np.asarray(tokens)
         if tokens.ndim == 1:
@@ -171,7 +179,7 @@ class ReferenceModel:
                 "use a larger cache or start a new sequence."
             )
         ops = NumpyOps(self.config, self.weights, tokens, np.arange(start, start + steps), cache,
-                       last_logits_only, self._fused)
+                       last_logits_only, lora, self._fused)
         logits = self.spec.forward(ops, self.config)
         cache.num_tokens = start + steps
         return logits

@@ -1,0 +1,57 @@
+"""The numpy reference as an executor: slow but dependency-free, and the golden model in tests."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from litekv.kv_cache import KVCache
+from litekv.models.config import ModelConfig
+from litekv.reference import ArrayKVCache, ReferenceModel
+from litekv.sampling import sample_token
+
+from .base import ExternalSamplerExecutor, InternalSamplerExecutor, SamplerParams
+from .lora import LORA_TARGETS_ALL, LoraAdapter
+from .prefill_plan import Chunk
+
+PREFILL_CHUNK = 256
+
+
+class NumpyExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
+    backend = "numpy"
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray], max_context: int = 4096,
+                 lora_rank: int | None = None):
+        super().__init__(config, max_context, (PREFILL_CHUNK,), lora_rank, LORA_TARGETS_ALL)
+        self.model = ReferenceModel(config, weights)
+
+    def create_kv_cache(self, batch_size: int = 1) -> KVCache:
+        cfg = self.config
+        return KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, self.max_context, "BSHD")
+
+    def _forward(self, tokens: np.ndarray, kv_cache: KVCache, rows: slice, adapter: LoraAdapter | None) -> np.ndarray:
+        view = ArrayKVCache([kv_cache.raw_keys(l)[rows] for l in range(kv_cache.num_layers)],
+                            [kv_cache.raw_values(l)[rows] for l in range(kv_cache.num_layers)],
+                            kv_cache.num_tokens)
+        return self.model.forward(tokens, view, last_logits_only=True,
+                                  lora=adapter.factors if adapter else None)[:, -1]
+
+    def _run_prefill_chunk(self, tokens: np.ndarray, chunk: Chunk, kv_cache: KVCache, row: int,
+                           adapter: LoraAdapter | None) -> None:
+        self._forward(tokens[None, :], kv_cache, slice(row, row + 1), adapter)
+
+    def _decode(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None) -> np.ndarray:
+        return self._forward(tokens[:, None], kv_cache, slice(None), adapter)
+
+    def _sample(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None,
+                sampler: SamplerParams) -> np.ndarray:
+        logits = self._decode(tokens, kv_cache, adapter)
+        return host_sample(logits, sampler, kv_cache.num_tokens)
+
+
+def host_sample(logits: np.ndarray, sampler: SamplerParams, position: int) -> np.ndarray:
+    """Sample each row of logits [batch, vocab] exactly as the in-graph sampler would."""
+    if sampler.greedy:
+        return np.argmax(logits, axis=-1).astype(np.int32)
+    return np.array([sample_token(row, sampler.temperature, sampler.top_k, sampler.top_p,
+                                  sampler.seed_for(position, b)) for b, row in enumerate(logits)], np.int32)

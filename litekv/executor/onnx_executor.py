@@ -1,0 +1,175 @@
+"""ONNX Runtime executor: IO binding with the KV cache bound in place as past and present.
+
+GroupQueryAttention appends the new rows to the bound past buffer and reads only the valid
+length, so a step costs the live context, not the capacity. Sampling runs in the companion
+`sampler.onnx`, fed from the logits buffer through IO binding.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from litekv.bundle import Manifest
+from litekv.errors import AcceleratorUnavailable, BackendError, Cancelled, MissingDependency
+from litekv.kv_cache import KVCache, aligned_zeros
+
+from .base import ExternalSamplerExecutor, InternalSamplerExecutor, SamplerParams
+from .lora import LoraAdapter, projection_shape
+from .prefill_plan import Chunk
+
+# accelerator name -> execution providers to try, in order
+_PROVIDERS = {
+    "cpu": ("CPUExecutionProvider",),
+    "gpu": ("CUDAExecutionProvider", "ROCMExecutionProvider", "DmlExecutionProvider", "CoreMLExecutionProvider"),
+    "npu": ("QNNExecutionProvider", "OpenVINOExecutionProvider", "VitisAIExecutionProvider"),
+}
+PREFILL_CHUNK = 512  # longest chunk per call; bounds activation memory
+
+
+def _ort():
+    try:
+        import onnxruntime
+    except ImportError as e:
+        raise MissingDependency("the ONNX backend needs onnxruntime: pip install onnxruntime") from e
+    return onnxruntime
+
+
+def choose_providers(accelerator: str | list) -> tuple[str, list]:
+    """(accelerator actually used, provider list) for a name, 'auto', or an explicit provider list."""
+    ort = _ort()
+    available = ort.get_available_providers()
+    if isinstance(accelerator, (list, tuple)):  # explicit [(name, options)] or [name]
+        names = [p[0] if isinstance(p, tuple) else p for p in accelerator]
+        missing = [n for n in names if n not in available]
+        if missing:
+            raise AcceleratorUnavailable(", ".join(missing), f"not in this onnxruntime build (it has {available})")
+        return names[0], list(accelerator)
+    order = ("gpu", "npu", "cpu") if accelerator == "auto" else (accelerator,)
+    for kind in order:
+        if kind not in _PROVIDERS:
+            raise AcceleratorUnavailable(kind, "unknown accelerator; use cpu, gpu, npu, auto or a provider list")
+        found = [p for p in _PROVIDERS[kind] if p in available]
+        if found:
+            return kind, [found[0]] + ([] if kind == "cpu" else ["CPUExecutionProvider"])
+    raise AcceleratorUnavailable(accelerator, f"this onnxruntime build offers only {available}")
+
+
+class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
+    backend = "onnx"
+    kv_layout = "BHSD"
+
+    def __init__(self, bundle: str | Path, manifest: Manifest, accelerator: str | list = "cpu",
+                 threads: int | None = None):
+        super().__init__(manifest.config, manifest.max_context, (PREFILL_CHUNK,), manifest.lora_rank,
+                         manifest.lora_targets)
+        ort = _ort()
+        self.accelerator, providers = choose_providers(accelerator)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads or 2
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        bundle = Path(bundle)
+        try:
+            self.session = ort.InferenceSession(str(bundle / manifest.model_file), options, providers=providers)
+            self.sampler = (ort.InferenceSession(str(bundle / manifest.sampler_file), options, providers=providers)
+                            if manifest.sampler_file else None)
+        except Exception as e:  # onnxruntime raises its own exception types
+            if self.accelerator != "cpu":
+                raise AcceleratorUnavailable(self.accelerator, str(e)) from e
+            raise BackendError(f"onnxruntime could not load {bundle / manifest.model_file}: {e}") from e
+        self._ort = ort
+        self._run_options = ort.RunOptions()
+        self._options_lock = threading.Lock()
+        self._zero_lora = self._lora_arrays(None)
+
+    # ---- caches and bindings -------------------------------------------------------------------
+    def create_kv_cache(self, batch_size: int = 1) -> KVCache:
+        cfg = self.config
+        return KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, self.max_context, "BHSD")
+
+    def _binding(self, kv_cache: KVCache, row: int):
+        """IO binding of one batch row, with its K/V bound in place (memoized on the cache)."""
+        key = (id(self), row)
+        if key not in kv_cache.bindings:
+            io = self.session.io_binding()
+            keep = []
+            for layer in range(self.config.num_layers):
+                for kind, buf in (("key", kv_cache.raw_keys(layer)), ("value", kv_cache.raw_values(layer))):
+                    value = self._ort.OrtValue.ortvalue_from_numpy(buf[row:row + 1])
+                    io.bind_ortvalue_input(f"past_{kind}_{layer}", value)
+                    io.bind_ortvalue_output(f"present_{kind}_{layer}", value)
+                    keep.append(value)
+            logits = aligned_zeros((1, 1, self.config.vocab_size))
+            logits_value = self._ort.OrtValue.ortvalue_from_numpy(logits)
+            io.bind_ortvalue_output("logits", logits_value)
+            kv_cache.bindings[key] = (io, logits, logits_value, keep)
+        return kv_cache.bindings[key]
+
+    def _lora_arrays(self, adapter: LoraAdapter | None) -> dict[str, np.ndarray]:
+        if self.lora_rank is None:
+            return {}
+        arrays = {}
+        for layer in range(self.config.num_layers):
+            for target in self.lora_targets:
+                out_dim, in_dim = projection_shape(self.config, target)
+                factors = adapter.factors.get((layer, target)) if adapter else None
+                a, b = factors if factors else (np.zeros((self.lora_rank, in_dim), np.float32),
+                                                np.zeros((out_dim, self.lora_rank), np.float32))
+                arrays[f"lora_a_{layer}_{target}"], arrays[f"lora_b_{layer}_{target}"] = a, b
+        return arrays
+
+    def _run(self, tokens: np.ndarray, start: int, kv_cache: KVCache, row: int, adapter: LoraAdapter | None):
+        io, logits, logits_value, _ = self._binding(kv_cache, row)
+        steps = len(tokens)
+        io.bind_cpu_input("tokens", tokens.reshape(1, steps).astype(np.int32))
+        io.bind_cpu_input("input_pos", np.arange(start, start + steps, dtype=np.int32))
+        io.bind_cpu_input("seqlens_k", np.array([start + steps - 1], np.int32))
+        io.bind_cpu_input("total_sequence_length", np.array(start + steps, np.int32))
+        for name, array in (self._lora_arrays(adapter) if adapter else self._zero_lora).items():
+            io.bind_cpu_input(name, array)
+        try:
+            self.session.run_with_iobinding(io, self._run_options)
+        except Exception as e:
+            if "terminate flag" in str(e):
+                raise Cancelled("onnx call cancelled inside the model run.") from e
+            raise BackendError(f"onnxruntime failed: {e}") from e
+        return logits, logits_value
+
+    # ---- hooks -----------------------------------------------------------------------------------
+    def _run_prefill_chunk(self, tokens: np.ndarray, chunk: Chunk, kv_cache: KVCache, row: int,
+                           adapter: LoraAdapter | None) -> None:
+        self._run(tokens, chunk.start, kv_cache, row, adapter)
+
+    def _decode(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None) -> np.ndarray:
+        return np.stack([self._run(tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter)[0][0, 0].copy()
+                         for row in range(kv_cache.batch_size)])
+
+    def _sample(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None,
+                sampler: SamplerParams) -> np.ndarray:
+        out = np.zeros(kv_cache.batch_size, np.int32)
+        for row in range(kv_cache.batch_size):
+            _, logits_value = self._run(tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter)
+            out[row] = self._sample_on_graph(logits_value, sampler, sampler.seed_for(kv_cache.num_tokens, row))
+        return out
+
+    def _sample_on_graph(self, logits_value, sampler: SamplerParams, seed: int) -> int:
+        io = self.sampler.io_binding()
+        io.bind_ortvalue_input("logits", logits_value)
+        greedy = sampler.greedy
+        io.bind_cpu_input("temperature", np.array([1.0 if greedy else sampler.temperature], np.float32))
+        io.bind_cpu_input("top_k", np.array([1 if greedy else sampler.top_k], np.int32))
+        io.bind_cpu_input("top_p", np.array([sampler.top_p], np.float32))
+        io.bind_cpu_input("seed", np.array([seed], np.int32))
+        token = np.zeros(1, np.int32)
+        io.bind_ortvalue_output("next_token", self._ort.OrtValue.ortvalue_from_numpy(token))
+        self.sampler.run_with_iobinding(io)
+        return int(token[0])
+
+    # ---- cancellation inside a run ----------------------------------------------------------------
+    def _interrupt_backend(self) -> None:
+        self._run_options.terminate = True
+
+    def _reset_backend_cancel(self) -> None:
+        self._run_options = self._ort.RunOptions()  # a terminated RunOptions stays terminated

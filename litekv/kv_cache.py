@@ -1,0 +1,307 @@
+"""The KV cache: fixed-shape per-layer K/V buffers, allocated once and updated in place.
+
+Executors are stateless; everything a sequence has seen lives here. Buffers use the layout the
+backend's kernels read (`BSHD` = [batch, slot, kv_head, dim] for TFLite, `BHSD` for ONNX
+GroupQueryAttention); everything public (views, serialization, copies between caches) speaks the
+canonical [batch, token, kv_head, dim] order, so a cache moves between backends.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from litekv.errors import ConfigError, LitekvError
+from litekv.flat_tables import FlatTableError, build, parse
+
+LAYOUTS = ("BSHD", "BHSD")
+BLOCK_SIZE = 16  # tokens per block in `block_table`
+ALIGNMENT = 64  # LiteRT binds host memory zero-copy only when 64-byte aligned
+FORMAT_VERSION = 1
+IDENTIFIER = b"LKVC"
+# Field order = vtable slots of litekv/schema/kv_cache.fbs.
+SCHEMA = (
+    ("version", "uint32"), ("layout", "string"), ("dtype", "string"), ("num_layers", "uint32"),
+    ("batch_size", "uint32"), ("num_kv_heads", "uint32"), ("head_dim", "uint32"), ("num_tokens", "uint32"),
+    ("capacity", "uint32"), ("keys", "bytes"), ("values", "bytes"), ("checksum", "uint64"),
+)
+_ids = itertools.count(1)
+
+
+class KVCacheError(LitekvError):
+    """A KV cache operation got an incompatible cache or a damaged serialized cache."""
+
+
+def aligned_zeros(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+    """Zeros whose data pointer is ALIGNMENT-byte aligned."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.zeros(nbytes + ALIGNMENT, np.uint8)
+    offset = (-raw.ctypes.data) % ALIGNMENT
+    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    memory_bytes: int
+    tokens_stored: int
+    capacity: int
+    utilization: float  # tokens_stored / capacity
+    last_access: float  # time.time() of the last read or write
+
+
+@dataclass
+class _Storage:
+    keys: list[np.ndarray]
+    values: list[np.ndarray]
+    layout: str
+    cache_id: int
+    num_tokens: int = 0
+    last_access: float = field(default_factory=time.time)
+    released: bool = False
+    # Backend-owned bindings of these buffers (valid for the storage's lifetime: arrays never move).
+    bindings: dict[Any, Any] = field(default_factory=dict)
+
+
+class KVCache:
+    """Per-layer K/V buffers of `batch_size` sequences that share one token count.
+
+    Shapes: `num_entries` = capacity per sequence; `key_cache(l)` / `value_cache(l)` are read-only
+    views [batch, num_tokens, num_kv_heads, head_dim] of the valid tokens.
+    """
+
+    device = "cpu"
+
+    def __init__(self, storage: _Storage):
+        self._s = storage
+
+    @classmethod
+    def allocate(cls, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 layout: str = "BSHD") -> "KVCache":
+        if layout not in LAYOUTS:
+            raise ConfigError(f"unknown KV layout {layout!r}; choose one of {LAYOUTS}.")
+        if min(num_layers, batch_size, num_kv_heads, head_dim, capacity) <= 0:
+            raise ConfigError("KV cache dimensions and batch size must be positive.")
+        shape = ((batch_size, capacity, num_kv_heads, head_dim) if layout == "BSHD"
+                 else (batch_size, num_kv_heads, capacity, head_dim))
+        return cls(_Storage([aligned_zeros(shape) for _ in range(num_layers)],
+                            [aligned_zeros(shape) for _ in range(num_layers)], layout, next(_ids)))
+
+    # ---- shape ------------------------------------------------------------------------------------
+    @property
+    def layout(self) -> str:
+        return self._s.layout
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._s.keys)
+
+    @property
+    def batch_size(self) -> int:
+        return self._s.keys[0].shape[0]
+
+    @property
+    def num_entries(self) -> int:
+        return self._s.keys[0].shape[1 if self.layout == "BSHD" else 2]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._s.keys[0].shape[2 if self.layout == "BSHD" else 1]
+
+    @property
+    def head_dim(self) -> int:
+        return self._s.keys[0].shape[3]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._s.keys[0].dtype
+
+    @property
+    def num_tokens(self) -> int:
+        return self._s.num_tokens
+
+    @property
+    def cache_id(self) -> int:
+        return self._s.cache_id
+
+    @property
+    def bindings(self) -> dict[Any, Any]:
+        """Backend-private memo of bound buffers; executors key it by their own identity."""
+        return self._s.bindings
+
+    def is_valid(self) -> bool:
+        return not self._s.released and 0 <= self._s.num_tokens <= self.num_entries
+
+    def release(self) -> None:
+        """Drop the buffers (every handle of this storage becomes invalid)."""
+        self._check_valid()
+        self._s.released = True
+        self._s.bindings.clear()
+        self._s.keys, self._s.values = [], []
+
+    # ---- access -----------------------------------------------------------------------------------
+    def key_cache(self, layer: int) -> np.ndarray:
+        return self._valid_view(self._s.keys[layer])
+
+    def value_cache(self, layer: int) -> np.ndarray:
+        return self._valid_view(self._s.values[layer])
+
+    def raw_keys(self, layer: int) -> np.ndarray:
+        """The whole buffer in backend layout, for executors (writable)."""
+        self._check_valid()
+        return self._s.keys[layer]
+
+    def raw_values(self, layer: int) -> np.ndarray:
+        self._check_valid()
+        return self._s.values[layer]
+
+    def set_num_tokens(self, n: int) -> None:
+        """Executors commit processed tokens here; a smaller value rewinds (stale rows are ignored)."""
+        self._check_valid()
+        if not 0 <= n <= self.num_entries:
+            raise KVCacheError(f"token count {n} is outside 0..{self.num_entries}.")
+        self._s.num_tokens = n
+        self._s.last_access = time.time()
+
+    def _valid_view(self, buf: np.ndarray, n: int | None = None) -> np.ndarray:
+        self._check_valid()
+        n = self.num_tokens if n is None else n
+        view = buf[:, :n] if self.layout == "BSHD" else buf[:, :, :n].transpose(0, 2, 1, 3)
+        view = view.view()
+        view.flags.writeable = False
+        self._s.last_access = time.time()
+        return view
+
+    def _canonical(self, buf: np.ndarray, rows: slice | int, n: int) -> np.ndarray:
+        """Writable canonical view [rows, n, KVH, D] into a buffer of this cache."""
+        return buf[rows, :n] if self.layout == "BSHD" else buf[rows, :, :n].swapaxes(-3, -2)
+
+    def _check_valid(self) -> None:
+        if self._s.released:
+            raise KVCacheError(f"KV cache {self.cache_id} was released; create a new cache.")
+
+    # ---- stats and paging metadata ----------------------------------------------------------------
+    def stats(self) -> KVCacheStats:
+        self._check_valid()
+        memory = sum(a.nbytes for a in self._s.keys) + sum(a.nbytes for a in self._s.values)
+        return KVCacheStats(memory, self.num_tokens, self.num_entries, self.num_tokens / self.num_entries,
+                            self._s.last_access)
+
+    @property
+    def block_table(self) -> list[int]:
+        """Physical block of each logical block of BLOCK_SIZE tokens holding valid tokens.
+
+        Storage is contiguous per sequence, so the mapping is the identity; paging and prefix
+        sharing build on this table without changing callers.
+        """
+        return list(range(-(-self.num_tokens // BLOCK_SIZE)))
+
+    # ---- copies -----------------------------------------------------------------------------------
+    def _check_compatible(self, other: "KVCache") -> None:
+        self._check_valid()
+        other._check_valid()
+        mine = (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        theirs = (other.num_layers, other.num_kv_heads, other.head_dim, other.dtype)
+        if mine != theirs:
+            raise KVCacheError(f"caches do not match: (layers, kv heads, head dim, dtype) {mine} vs {theirs}.")
+        if other.num_tokens > self.num_entries:
+            raise KVCacheError(f"{other.num_tokens} tokens do not fit a cache of {self.num_entries} entries.")
+
+    def select_and_copy_from(self, other: "KVCache", batch_index: int) -> None:
+        """other[batch_index] -> this[0] (valid tokens only); this cache takes other's token count."""
+        self._check_compatible(other)
+        if not 0 <= batch_index < other.batch_size:
+            raise KVCacheError(f"batch index {batch_index} is outside 0..{other.batch_size - 1}.")
+        n = other.num_tokens
+        for mine, theirs in ((self._s.keys, other._s.keys), (self._s.values, other._s.values)):
+            for dst, src in zip(mine, theirs):
+                self._canonical(dst, 0, n)[...] = other._canonical(src, batch_index, n)
+        self.set_num_tokens(n)
+
+    def broadcast_and_copy_from(self, other: "KVCache") -> None:
+        """other[0] -> every batch row of this cache (valid tokens only)."""
+        self._check_compatible(other)
+        n = other.num_tokens
+        for mine, theirs in ((self._s.keys, other._s.keys), (self._s.values, other._s.values)):
+            for dst, src in zip(mine, theirs):
+                self._canonical(dst, slice(None), n)[...] = other._canonical(src, slice(0, 1), n)
+        self.set_num_tokens(n)
+
+    def deep_copy(self) -> "KVCache":
+        """An independent cache with the same contents (a new cache_id)."""
+        self._check_valid()
+        copy = KVCache.allocate(self.num_layers, self.batch_size, self.num_kv_heads, self.head_dim,
+                                self.num_entries, self.layout)
+        for dst, src in zip(copy._s.keys + copy._s.values, self._s.keys + self._s.values):
+            np.copyto(dst, src)
+        copy.set_num_tokens(self.num_tokens)
+        return copy
+
+    def clone_handle(self) -> "KVCache":
+        """A second reference to the same storage (same cache_id): no copy."""
+        self._check_valid()
+        return KVCache(self._s)
+
+    # ---- serialization ----------------------------------------------------------------------------
+    def serialize(self) -> bytes:
+        """Flatbuffer (litekv/schema/kv_cache.fbs) of the valid tokens in canonical layout, checksummed."""
+        self._check_valid()
+        n = self.num_tokens
+        keys = np.stack([self._canonical(b, slice(None), n) for b in self._s.keys]) if n else np.zeros(0, np.float32)
+        values = np.stack([self._canonical(b, slice(None), n) for b in self._s.values]) if n else np.zeros(0, np.float32)
+        header = dict(version=FORMAT_VERSION, layout="BSHD", dtype=str(self.dtype), num_layers=self.num_layers,
+                      batch_size=self.batch_size, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                      num_tokens=n, capacity=self.num_entries)
+        raw_keys, raw_values = keys.view(np.uint8).reshape(-1), values.view(np.uint8).reshape(-1)
+        return build(SCHEMA, {**header, "keys": raw_keys, "values": raw_values,
+                              "checksum": _checksum(header, raw_keys, raw_values)}, IDENTIFIER)
+
+    def load(self, data: bytes) -> None:
+        """Restore a serialized cache. Everything is checked first: on error this cache is unchanged."""
+        self._check_valid()
+        try:
+            fields = parse(SCHEMA, data, IDENTIFIER)
+        except FlatTableError as e:
+            raise KVCacheError(f"not a serialized litekv KV cache: {e}.") from e
+        if fields["version"] != FORMAT_VERSION:
+            raise KVCacheError(f"serialized KV cache has format version {fields['version']}; this litekv reads "
+                               f"version {FORMAT_VERSION}.")
+        header = {k: fields[k] for k, _ in SCHEMA if k not in ("keys", "values", "checksum")}
+        if None in header.values() or fields["keys"] is None or fields["values"] is None:
+            raise KVCacheError("serialized KV cache is missing fields.")
+        if _checksum(header, fields["keys"], fields["values"]) != fields["checksum"]:
+            raise KVCacheError("serialized KV cache failed its checksum: the data is corrupted.")
+        expected = dict(num_layers=self.num_layers, batch_size=self.batch_size, num_kv_heads=self.num_kv_heads,
+                        head_dim=self.head_dim, dtype=str(self.dtype))
+        mismatched = {k: (header[k], v) for k, v in expected.items() if header[k] != v}
+        if mismatched:
+            raise KVCacheError(f"serialized KV cache does not fit this cache (saved, here): {mismatched}.")
+        n = header["num_tokens"]
+        if n > self.num_entries:
+            raise KVCacheError(f"serialized KV cache holds {n} tokens; this cache has room for {self.num_entries}.")
+        shape = (self.num_layers, self.batch_size, n, self.num_kv_heads, self.head_dim)
+        size = int(np.prod(shape)) * self.dtype.itemsize
+        if fields["keys"].size != size or fields["values"].size != size:
+            raise KVCacheError("serialized KV cache has data of the wrong size.")
+        keys = fields["keys"].view(self.dtype).reshape(shape)
+        values = fields["values"].view(self.dtype).reshape(shape)
+        for layer in range(self.num_layers):
+            self._canonical(self._s.keys[layer], slice(None), n)[...] = keys[layer]
+            self._canonical(self._s.values[layer], slice(None), n)[...] = values[layer]
+        self.set_num_tokens(n)
+
+    def __repr__(self) -> str:
+        return (f"KVCache(id={self.cache_id}, layers={self.num_layers}, batch={self.batch_size}, "
+                f"tokens={self.num_tokens}/{self.num_entries}, layout={self.layout})")
+
+
+def _checksum(header: dict[str, Any], keys: np.ndarray, values: np.ndarray) -> int:
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(repr(sorted(header.items())).encode())
+    digest.update(memoryview(np.ascontiguousarray(keys)))
+    digest.update(memoryview(np.ascontiguousarray(values)))
+    return int.from_bytes(digest.digest(), "little")
