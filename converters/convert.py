@@ -169,7 +169,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         writer = emit_tflite(cfg, ckpt.weights, plan, sigs, options.lora, options.max_context,
                              progress=lambda name, n=iter(range(1, len(sigs) + 1)): tick(next(n), len(sigs), name))
         writer.write(staging / "model.tflite")
-        bar.stage("writing model.tflite")(1, 1, f"{writer.data_bytes() / 1e6:.0f} MB of weights")
+        bar.stage("writing model.tflite")(1, 1, f"{writer.data_bytes / 1e6:.0f} MB of weights")
         infos = tuple(SignatureInfo(s.name, "sample" if s.sampler else ("decode" if s.tokens == 1 and s.logits
                                                                          else "prefill"),
                                     s.tokens, s.capacity, s.lora, tuple(sg.inputs), tuple(sg.outputs))

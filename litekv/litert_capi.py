@@ -218,7 +218,7 @@ def _load() -> ctypes.CDLL:
             for name, (restype, argtypes) in _PROTOTYPES.items():
                 fn = getattr(lib, name)
                 fn.restype, fn.argtypes = restype, argtypes
-            # The hot call without argtypes: BoundRun passes ready ctypes objects, which
+            # The hot call without argtypes: _Binding holds ready ctypes objects, which
             # saves ~0.6 us per call of per-argument conversion.
             _run_unchecked = lib["LiteRtRunCompiledModel"]  # a separate function object
             _run_unchecked.restype = ctypes.c_int
@@ -295,6 +295,16 @@ def aligned_zeros(shape: int | Sequence[int], dtype=np.float32,
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
+_parked_handles: list[int] = []
+_live_models = 0
+
+
+def _destroy_parked_handles() -> None:
+    if _live_models == 0 and _lib is not None:
+        while _parked_handles:
+            _lib.LiteRtDestroyTensorBuffer(_parked_handles.pop())
+
+
 class HostTensorBuffer:
     """A LiteRT tensor buffer over a numpy array's memory (zero-copy, any rank).
 
@@ -306,7 +316,7 @@ class HostTensorBuffer:
     ``cache[:, :S]`` of an aligned ``cache`` qualify.
     """
 
-    # Incremented by every close(); BoundRun re-checks its buffers when it changed.
+    # Incremented by every close(); bindings re-check their buffers when it changed.
     _closes = 0
 
     def __init__(self, array: np.ndarray):
@@ -353,11 +363,18 @@ class HostTensorBuffer:
         return self.handle is None
 
     def close(self) -> None:
-        """Releases the C handle (the numpy array stays valid). Idempotent."""
+        """Releases the buffer (the numpy array stays valid). Idempotent.
+
+        The C handle is destroyed only once no compiled model is alive: a compiled model
+        remembers the buffers it last ran with by handle address, and a new buffer that
+        reused a destroyed handle's address would be taken for the old one and run on the
+        old memory. Until then the handle (a few hundred bytes, not the array) is parked.
+        """
         handle, self.handle = self.handle, None
         if handle is not None and _lib is not None:
             HostTensorBuffer._closes += 1
-            _lib.LiteRtDestroyTensorBuffer(handle)
+            _parked_handles.append(handle)
+            _destroy_parked_handles()
 
     def __enter__(self) -> "HostTensorBuffer":
         return self
@@ -554,7 +571,8 @@ class CompiledTFLiteModel:
         self._options: int | None = None
         self._lock = threading.Lock()  # one run at a time: the interpreter is not reentrant
         self._cancel_flag = (ctypes.c_uint8 * 2)()  # see _install_cancellation
-        self._bound: dict[tuple, BoundRun] = {}
+        # run()'s checked bindings; they hold no reference to the model (no cycle).
+        self._bindings: dict[tuple, _Binding] = {}
 
         env = self.environment.handle
         if env is None:
@@ -586,6 +604,9 @@ class CompiledTFLiteModel:
                 status = lib.LiteRtCreateCompiledModel(env, self._model, self._options,
                                                        ctypes.byref(handle))
             self._handle = handle.value if status == 0 else None
+            if self._handle is not None:
+                global _live_models
+                _live_models += 1
             if status != 0 and accelerator == "cpu":
                 problems = _problems(log[0])
                 raise BackendError(f"compiling {self.path} failed: LiteRtCreateCompiledModel "
@@ -696,8 +717,7 @@ class CompiledTFLiteModel:
         silently and runs on stale memory). A buffer may be both an input and an
         output (in-place KV update).
         """
-        sig = self.signature(signature)
-        return BoundRun(self, sig, self._ordered(sig, inputs, outputs))
+        return BoundRun(self, self._bind(signature, inputs, outputs))
 
     def run(self, signature: str, inputs: Mapping[str, HostTensorBuffer],
             outputs: Mapping[str, HostTensorBuffer]) -> None:
@@ -712,18 +732,32 @@ class CompiledTFLiteModel:
         # needs no per-name lookups and no checks.
         key = (signature, tuple(inputs.items()), tuple(outputs.items()))
         try:
-            bound = self._bound.get(key)
-        except TypeError:  # an unhashable value, so not a buffer: BoundRun says so
-            sig = self.signature(signature)
-            BoundRun(self, sig, self._ordered(sig, inputs, outputs))
+            binding = self._bindings.get(key)
+        except TypeError:  # an unhashable value, so not a buffer: _Binding says so
+            self._bind(signature, inputs, outputs)
             raise
-        if bound is None:
-            sig = self.signature(signature)
-            bound = BoundRun(self, sig, self._ordered(sig, inputs, outputs))
-            if len(self._bound) >= 16:  # bounded: each entry keeps its buffers alive
-                self._bound.pop(next(iter(self._bound)), None)
-            self._bound[key] = bound
-        bound()
+        if binding is None:
+            binding = self._bind(signature, inputs, outputs)
+            if len(self._bindings) >= 16:  # bounded: each entry keeps its buffers alive
+                self._bindings.pop(next(iter(self._bindings)), None)
+            self._bindings[key] = binding
+        self._invoke(binding)
+
+    def _bind(self, signature: str, inputs: Mapping[str, HostTensorBuffer],
+              outputs: Mapping[str, HostTensorBuffer]) -> "_Binding":
+        sig = self.signature(signature)
+        return _Binding(self, sig, *self._ordered(sig, inputs, outputs))
+
+    def _invoke(self, binding: "_Binding") -> None:
+        if HostTensorBuffer._closes != binding.closes_seen:
+            binding.check_open()
+        with self._lock:
+            if self._handle is None:
+                self._live_handle()  # raises: closed
+            # ctypes releases the GIL for the call: other threads run, cancel() works.
+            status = _run_unchecked(*binding.args)
+            if status != 0:
+                self._raise_run_error(status, binding.signature.name)
 
     def _ordered(self, sig: SignatureInfo, inputs: Mapping[str, HostTensorBuffer],
                  outputs: Mapping[str, HostTensorBuffer]):
@@ -786,7 +820,7 @@ class CompiledTFLiteModel:
         """Destroys the compiled model (waits for a run in progress; cancels it first)."""
         self._cancel_flag[0] = 1  # a run in progress stops at its next op
         with self._lock:
-            self._bound.clear()
+            self._bindings.clear()
             lib = _lib
             handle, self._handle = self._handle, None
             options, self._options = self._options, None
@@ -799,6 +833,10 @@ class CompiledTFLiteModel:
                 lib.LiteRtDestroyOptions(options)  # also frees the opaque options
             if model is not None:
                 lib.LiteRtDestroyModel(model)
+            if handle is not None:
+                global _live_models
+                _live_models -= 1
+                _destroy_parked_handles()
 
     def __enter__(self) -> "CompiledTFLiteModel":
         return self
@@ -818,41 +856,51 @@ class CompiledTFLiteModel:
 class BoundRun:
     """One signature with checked buffers; calling it runs the model (see ``bind``).
 
-    Holds the C handle arrays, so a call costs the LiteRT call plus a few attribute
-    reads. It keeps its buffers alive; closing one of them invalidates the binding.
+    A call costs the LiteRT call plus a few attribute reads. It keeps the model and
+    the buffers alive; closing either makes later calls raise.
     """
 
+    def __init__(self, model: CompiledTFLiteModel, binding: "_Binding"):
+        self.model = model
+        self._binding = binding
+
+    @property
+    def signature(self) -> SignatureInfo:
+        return self._binding.signature
+
+    @property
+    def buffers(self) -> tuple[HostTensorBuffer, ...]:
+        """The bound inputs, then the outputs, in signature order."""
+        return self._binding.buffers
+
+    def __call__(self) -> None:
+        self.model._invoke(self._binding)
+
+
+class _Binding:
+    """Buffers checked against a signature, and the C arguments of the run call."""
+
     def __init__(self, model: CompiledTFLiteModel, sig: SignatureInfo,
-                 buffers: tuple[tuple[HostTensorBuffer, ...], tuple[HostTensorBuffer, ...]]):
-        ins, outs = buffers
+                 ins: tuple[HostTensorBuffer, ...], outs: tuple[HostTensorBuffer, ...]):
         for kind, specs, bufs in (("input", sig.inputs, ins), ("output", sig.outputs, outs)):
             for spec, buf in zip(specs, bufs):
                 _check_compatible(model, sig, kind, spec, buf)
-        self.model, self.signature = model, sig
-        self.buffers = ins + outs
-        ins_array = (ctypes.c_void_p * len(ins))(*[b.handle for b in ins])
-        outs_array = (ctypes.c_void_p * len(outs))(*[b.handle for b in outs])
-        # Arguments of LiteRtRunCompiledModel, already C-typed (see _run_unchecked).
-        self._args = (ctypes.c_void_p(model._live_handle()), ctypes.c_size_t(sig.index),
-                      ctypes.c_size_t(len(ins)), ins_array,
-                      ctypes.c_size_t(len(outs)), outs_array)
-        self._closes = HostTensorBuffer._closes
+        self.signature = sig
+        self.buffers = ins + outs  # keeps them (and their arrays) alive
+        # LiteRtRunCompiledModel's arguments, already C-typed (see _run_unchecked).
+        self.args = (ctypes.c_void_p(model._live_handle()), ctypes.c_size_t(sig.index),
+                     ctypes.c_size_t(len(ins)),
+                     (ctypes.c_void_p * len(ins))(*[b.handle for b in ins]),
+                     ctypes.c_size_t(len(outs)),
+                     (ctypes.c_void_p * len(outs))(*[b.handle for b in outs]))
+        self.closes_seen = HostTensorBuffer._closes
 
-    def __call__(self) -> None:
-        if HostTensorBuffer._closes != self._closes:
-            closed = [b for b in self.buffers if b.closed]
-            if closed:
-                raise BindingError(f"buffers {closed} were closed after binding signature "
-                                   f"{self.signature.name!r}")
-            self._closes = HostTensorBuffer._closes
-        model = self.model
-        with model._lock:
-            if model._handle is None:
-                model._live_handle()  # raises: closed
-            # ctypes releases the GIL for the call: other threads run, cancel() works.
-            status = _run_unchecked(*self._args)
-            if status != 0:
-                model._raise_run_error(status, self.signature.name)
+    def check_open(self) -> None:
+        closed = [b for b in self.buffers if b.closed]
+        if closed:
+            raise BindingError(f"buffers {closed} were closed after binding signature "
+                               f"{self.signature.name!r}")
+        self.closes_seen = HostTensorBuffer._closes
 
 
 def _check_compatible(model: CompiledTFLiteModel, sig: SignatureInfo, kind: str,

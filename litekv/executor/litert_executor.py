@@ -1,0 +1,198 @@
+"""LiteRT executor: CompiledModel through the C API, with the KV cache bound zero-copy in place.
+
+The cache is allocated once at the bundle's max context, [batch, S_max, KVH, D] per layer. A
+signature of capacity bucket S binds the first S slots of a row, a contiguous prefix of that
+memory, so moving between buckets as the sequence grows copies nothing, and a step's attention
+reads the smallest bucket that holds the live context.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from litekv.bundle import Manifest
+from litekv.catalog import cache_dir
+from litekv.errors import AcceleratorUnavailable
+from litekv.kv_cache import KVCache, aligned_zeros
+from litekv.litert_capi import CompiledTFLiteModel, HostTensorBuffer
+
+from .base import ExternalSamplerExecutor, InternalSamplerExecutor, SamplerParams
+from .lora import LoraAdapter, projection_shape
+from .prefill_plan import Chunk
+
+MASKED = np.finfo(np.float32).min
+
+
+class _SignatureIO:
+    """Host buffers of one signature's small inputs and outputs (shared by every cache)."""
+
+    def __init__(self, name: str, tokens: int, capacity: int, vocab: int, sliding: bool, sampler: bool):
+        self.name, self.tokens, self.capacity = name, tokens, capacity
+        self.arrays = {"tokens": aligned_zeros((1, tokens), np.int32), "input_pos": aligned_zeros((tokens,), np.int32),
+                       "mask": aligned_zeros((1, 1, tokens, capacity))}
+        if sliding:
+            self.arrays["local_mask"] = aligned_zeros((1, 1, tokens, capacity))
+        self.outputs = {}
+        if sampler:
+            for key, dtype in (("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32),
+                               ("seed", np.int32)):
+                self.arrays[key] = aligned_zeros((1,), dtype)
+            self.outputs["next_token"] = aligned_zeros((1,), np.int32)
+        elif not name.startswith("prefill"):
+            self.outputs["logits"] = aligned_zeros((1, 1, vocab))
+        self.buffers = {k: HostTensorBuffer(v) for k, v in {**self.arrays, **self.outputs}.items()}
+
+    def fill(self, tokens: np.ndarray, start: int, window: int | None) -> None:
+        """Tokens at positions start.. (padding repeats the last real row's view of the cache)."""
+        real = len(tokens)
+        a = self.arrays
+        a["tokens"][0, :real] = tokens
+        a["tokens"][0, real:] = 0
+        a["input_pos"][:] = np.arange(start, start + self.tokens, dtype=np.int32)
+        visible_until = start + np.minimum(np.arange(self.tokens), real - 1)
+        slots = np.arange(self.capacity)
+        a["mask"][0, 0] = np.where(slots[None, :] <= visible_until[:, None], np.float32(0), MASKED)
+        if "local_mask" in a:
+            inside = (slots[None, :] <= visible_until[:, None]) & (slots[None, :] > visible_until[:, None] - window)
+            a["local_mask"][0, 0] = np.where(inside, np.float32(0), MASKED)
+
+
+class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
+    backend = "litert"
+    kv_layout = "BSHD"
+
+    def __init__(self, bundle: str | Path, manifest: Manifest, accelerator: str = "cpu", threads: int | None = None):
+        super().__init__(manifest.config, manifest.max_context, manifest.prefill_lengths, manifest.lora_rank,
+                         manifest.lora_targets)
+        self.manifest = manifest
+        path = Path(bundle) / manifest.model_file
+        stat = path.stat()
+        weight_cache = cache_dir() / "xnnpack" / f"{manifest.fingerprint}-{stat.st_size}-{int(stat.st_mtime)}.xnn"
+        weight_cache.parent.mkdir(parents=True, exist_ok=True)
+        order = ("gpu", "npu", "cpu") if accelerator == "auto" else (accelerator,)
+        errors = []
+        for kind in order:
+            try:
+                self.model = CompiledTFLiteModel(path, accelerator=kind, num_threads=threads or 2,
+                                                 weight_cache_path=weight_cache if kind == "cpu" else None)
+                self.accelerator = kind
+                break
+            except AcceleratorUnavailable as e:
+                errors.append(e)
+        else:
+            raise errors[-1]
+        cfg = self.config
+        self.buckets = manifest.kv_buckets
+        self._sliding = "sliding" in cfg.layer_types
+        self._io: dict[str, _SignatureIO] = {}
+        for sig in manifest.signatures:
+            self._io[sig.name] = _SignatureIO(sig.name, sig.tokens, sig.capacity, cfg.vocab_size, self._sliding,
+                                              sig.kind == "sample")
+        self._lora_buffers: dict[int | None, dict[str, HostTensorBuffer]] = {None: self._lora_inputs(None)}
+        self._run_lock = threading.Lock()  # the signature IO buffers are shared by all caches
+
+    def create_kv_cache(self, batch_size: int = 1) -> KVCache:
+        cfg = self.config
+        return KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, self.max_context, "BSHD")
+
+    # ---- binding ---------------------------------------------------------------------------------
+    def _signature_name(self, kind: str, end: int, tokens: int = 1) -> str:
+        """The entry point of the smallest capacity bucket that holds positions < end."""
+        capacity = next(s for s in self.buckets if s >= end)
+        base = f"prefill_{tokens}" if kind == "prefill" else kind
+        return base if capacity == self.max_context else f"{base}_s{capacity}"
+
+    def _kv_buffers(self, kv_cache: KVCache, row: int, capacity: int) -> dict[str, HostTensorBuffer]:
+        key = (id(self), "kv", row, capacity)
+        if key not in kv_cache.bindings:
+            buffers = {}
+            for layer in range(self.config.num_layers):
+                buffers[f"kv_cache_k_{layer}"] = HostTensorBuffer(kv_cache.raw_keys(layer)[row:row + 1, :capacity])
+                buffers[f"kv_cache_v_{layer}"] = HostTensorBuffer(kv_cache.raw_values(layer)[row:row + 1, :capacity])
+            kv_cache.bindings[key] = buffers
+        return kv_cache.bindings[key]
+
+    def _lora_inputs(self, adapter: LoraAdapter | None) -> dict[str, HostTensorBuffer]:
+        if self.lora_rank is None:
+            return {}
+        buffers = {}
+        for layer in range(self.config.num_layers):
+            for target in self.lora_targets:
+                out_dim, in_dim = projection_shape(self.config, target)
+                a, b = aligned_zeros((self.lora_rank, in_dim)), aligned_zeros((out_dim, self.lora_rank))
+                factors = adapter.factors.get((layer, target)) if adapter else None
+                if factors:
+                    a[...], b[...] = factors
+                buffers[f"lora_a_{layer}_{target}"], buffers[f"lora_b_{layer}_{target}"] = (HostTensorBuffer(a),
+                                                                                        HostTensorBuffer(b))
+        return buffers
+
+    def load_lora(self, adapter, name: str | None = None) -> int:
+        lora_id = super().load_lora(adapter, name)
+        self._lora_buffers[lora_id] = self._lora_inputs(self._adapters[lora_id])
+        return lora_id
+
+    def unload_lora(self, lora_id: int) -> None:
+        super().unload_lora(lora_id)
+        self._lora_buffers.pop(lora_id, None)
+
+    def _bound_run(self, name: str, kv_cache: KVCache, row: int, adapter: LoraAdapter | None):
+        io = self._io[name]
+        lora_id = next((i for i, a in self._adapters.items() if a is adapter), None) if adapter else None
+        key = (id(self), "run", name, row, lora_id)
+        if key not in kv_cache.bindings:
+            kv = self._kv_buffers(kv_cache, row, io.capacity)
+            lora = self._lora_buffers[lora_id] if self.manifest.signature(name).lora else {}
+            inputs = {**{k: io.buffers[k] for k in io.arrays}, **kv, **lora}
+            outputs = {**{k: io.buffers[k] for k in io.outputs}, **kv}
+            kv_cache.bindings[key] = self.model.bind(name, inputs, outputs)
+        return io, kv_cache.bindings[key]
+
+    def _run(self, name: str, tokens: np.ndarray, start: int, kv_cache: KVCache, row: int,
+             adapter: LoraAdapter | None, sampler: tuple | None = None) -> _SignatureIO:
+        io, run = self._bound_run(name, kv_cache, row, adapter)
+        io.fill(tokens, start, self.config.sliding_window)
+        if sampler is not None:
+            for key, value in zip(("temperature", "top_k", "top_p", "seed"), sampler):
+                io.arrays[key][0] = value
+        run()
+        return io
+
+    # ---- hooks -----------------------------------------------------------------------------------
+    def _run_prefill_chunk(self, tokens: np.ndarray, chunk: Chunk, kv_cache: KVCache, row: int,
+                           adapter: LoraAdapter | None) -> None:
+        kind = "prefill" if chunk.length > 1 else "decode"
+        name = self._signature_name(kind, chunk.start + chunk.length, chunk.length)
+        with self._run_lock:
+            self._run(name, tokens, chunk.start, kv_cache, row, adapter)
+
+    def _decode(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None) -> np.ndarray:
+        name = self._signature_name("decode", kv_cache.num_tokens + 1)
+        out = np.empty((kv_cache.batch_size, self.config.vocab_size), np.float32)
+        with self._run_lock:
+            for row in range(kv_cache.batch_size):
+                io = self._run(name, tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter)
+                out[row] = io.outputs["logits"][0, 0]
+        return out
+
+    def _sample(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None,
+                sampler: SamplerParams) -> np.ndarray:
+        name = self._signature_name("sample", kv_cache.num_tokens + 1)
+        out = np.empty(kv_cache.batch_size, np.int32)
+        greedy = sampler.greedy
+        with self._run_lock:
+            for row in range(kv_cache.batch_size):
+                params = (1.0 if greedy else sampler.temperature, 1 if greedy else sampler.top_k, sampler.top_p,
+                          sampler.seed_for(kv_cache.num_tokens, row))
+                io = self._run(name, tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter, params)
+                out[row] = io.outputs["next_token"][0]
+        return out
+
+    # ---- cancellation ---------------------------------------------------------------------------
+    def _interrupt_backend(self) -> None:
+        self.model.cancel()
+
+    def _reset_backend_cancel(self) -> None:
+        self.model.clear_cancel()

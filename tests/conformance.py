@@ -1,0 +1,49 @@
+"""Shared fixtures of the conformance suite: tiny bundles of every architecture for every backend."""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+import tempfile
+
+import numpy as np
+
+from litekv.converters.checkpoint import load_checkpoint
+from litekv.converters.convert import ConvertOptions, convert
+from litekv.executor import open_executor
+from litekv.executor.numpy_executor import NumpyExecutor
+from model_factory import make_checkpoint
+
+BACKENDS = ("litert", "onnx")
+MAX_CONTEXT = 64
+PREFILL_LENGTHS = (4, 8)
+KV_BUCKETS = (16, 32, 64)
+_ROOT = Path(tempfile.mkdtemp(prefix="litekv-conformance-"))
+
+
+def relative_error(ours: np.ndarray, theirs: np.ndarray) -> float:
+    return float(np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)))
+
+
+@lru_cache(maxsize=None)
+def checkpoint_dir(arch: str) -> Path:
+    return make_checkpoint(arch, _ROOT / f"ckpt-{arch}", seed=11)
+
+
+@lru_cache(maxsize=None)
+def bundle(arch: str, backend: str, quantize: str = "fp32", lora_rank: int | None = None) -> Path:
+    options = ConvertOptions(backend=backend, quantize=quantize, max_context=MAX_CONTEXT,
+                             prefill_lengths=PREFILL_LENGTHS, lora_rank=lora_rank,
+                             kv_buckets=KV_BUCKETS if backend == "litert" else None)
+    name = f"{arch}-{backend}-{quantize}-{lora_rank}"
+    return convert(checkpoint_dir(arch), _ROOT / name, options)
+
+
+@lru_cache(maxsize=None)
+def executor(arch: str, backend: str, quantize: str = "fp32", lora_rank: int | None = None):
+    return open_executor(bundle(arch, backend, quantize, lora_rank))
+
+
+@lru_cache(maxsize=None)
+def reference(arch: str, lora_rank: int | None = None) -> NumpyExecutor:
+    ckpt = load_checkpoint(checkpoint_dir(arch), with_tokenizer=False)
+    return NumpyExecutor(ckpt.config, ckpt.weights, max_context=MAX_CONTEXT, lora_rank=lora_rank)

@@ -1,0 +1,68 @@
+"""Converted TFLite and ONNX models give the reference's logits, for every architecture."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conformance import (BACKENDS, KV_BUCKETS, PREFILL_LENGTHS, bundle, executor, reference, relative_error)
+from model_factory import ARCHITECTURES
+
+TOLERANCE = 1e-4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_every_prefill_length(arch, backend):
+    ex, ref = executor(arch, backend), reference(arch)
+    for length in PREFILL_LENGTHS:
+        prompt = np.random.default_rng(length).integers(3, ex.config.vocab_size, length + 1)
+        ours, theirs = ex.create_kv_cache(), ref.create_kv_cache()
+        ex.prefill(prompt[:-1], ours)
+        ref.prefill(prompt[:-1], theirs)
+        assert ours.num_tokens == length
+        for layer in (0, ex.config.num_layers - 1):
+            assert relative_error(ours.key_cache(layer), theirs.key_cache(layer)) < TOLERANCE
+            assert relative_error(ours.value_cache(layer), theirs.value_cache(layer)) < TOLERANCE
+        assert relative_error(ex.step([prompt[-1]], ours), ref.step([prompt[-1]], theirs)) < TOLERANCE
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_chunked_prompt_then_decode_across_bucket_change(arch, backend):
+    ex, ref = executor(arch, backend), reference(arch)
+    prompt = np.random.default_rng(7).integers(3, ex.config.vocab_size, 13)  # 8 + 4 + 1 chunks
+    ours, theirs = ex.create_kv_cache(), ref.create_kv_cache()
+    ex.prefill(prompt, ours)
+    ref.prefill(prompt, theirs)
+    token = int(prompt[-1])
+    for _ in range(16):  # positions 13..28 cross the 16-slot bucket boundary
+        expected = ref.step([token], theirs)
+        assert relative_error(ex.step([token], ours), expected) < TOLERANCE
+        token = int(np.argmax(expected[0]))
+    assert ours.num_tokens == 29 and 16 < ours.num_tokens < KV_BUCKETS[1]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bundle_manifest_describes_the_model(backend):
+    from litekv.bundle import read_manifest
+
+    manifest = read_manifest(bundle("gemma3", backend))
+    assert manifest.backend == backend and manifest.config.architecture == "gemma3"
+    assert manifest.max_context == 64 and manifest.prefill_lengths == PREFILL_LENGTHS
+    assert manifest.kv_layout == ("BSHD" if backend == "litert" else "BHSD")
+    assert len(manifest.fingerprint) == 32 and manifest.file_sizes[manifest.model_file] > 0
+    names = {s.name for s in manifest.signatures}
+    if backend == "litert":
+        assert {"decode", "prefill_4", "prefill_8", "decode_s16", "prefill_8_s16", "sample_s32"} <= names
+        decode = manifest.signature("decode")
+        assert "kv_cache_k_0" in decode.inputs and "kv_cache_k_0" in decode.outputs and "mask" in decode.inputs
+    else:
+        assert manifest.signature("model").inputs[:2] == ("tokens", "input_pos")
+
+
+def test_same_model_same_fingerprint_on_both_backends():
+    from litekv.bundle import read_manifest
+
+    prints = {read_manifest(bundle("llama", b)).fingerprint for b in BACKENDS}
+    assert len(prints) == 1
+    assert read_manifest(bundle("llama", "onnx", "int8")).fingerprint not in prints

@@ -1,0 +1,340 @@
+"""Executor conformance: every backend through the base, external- and internal-sampler interfaces."""
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from conformance import BACKENDS, MAX_CONTEXT, checkpoint_dir, executor, reference, relative_error
+from litekv.converters.checkpoint import load_checkpoint
+from litekv.errors import Cancelled, ContextFull
+from litekv.executor import LoraError, LoraInUse, SamplerParams
+from litekv.executor.numpy_executor import NumpyExecutor
+from litekv.kv_cache import KVCacheError
+
+ARCH = "llama"
+ALL = BACKENDS + ("numpy",)
+
+
+def get(backend: str, lora_rank: int | None = None):
+    return reference(ARCH, lora_rank) if backend == "numpy" else executor(ARCH, backend, lora_rank=lora_rank)
+
+
+def prompt(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, 300, n)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_external_and_internal_greedy_agree(backend):
+    ex = get(backend)
+    a, b = ex.create_kv_cache(), ex.create_kv_cache()
+    ex.prefill(prompt(9), a)
+    ex.prefill(prompt(9), b)
+    token, external = 5, []
+    for _ in range(12):
+        token = int(np.argmax(ex.step([token], a)[0]))
+        external.append(token)
+    internal = ex.sample_tokens(12, [5], b)
+    assert internal.tolist() == [external]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_seeded_sampling_matches_host_sampler(backend):
+    ex, ref = get(backend), reference(ARCH)
+    sampler = SamplerParams(temperature=0.8, top_k=40, top_p=0.95, seed=1234)
+    ours, theirs = ex.create_kv_cache(), ref.create_kv_cache()
+    ex.prefill(prompt(6), ours)
+    ref.prefill(prompt(6), theirs)
+    got = ex.sample_tokens(20, [7], ours, sampler=sampler)
+    assert got.tolist() == ref.sample_tokens(20, [7], theirs, sampler=sampler).tolist()
+    again = ex.create_kv_cache()
+    ex.prefill(prompt(6), again)
+    assert ex.sample_tokens(20, [7], again, sampler=sampler).tolist() == got.tolist()
+    assert len(set(got[0].tolist())) > 3  # really sampling, not greedy
+
+
+# ---- KV cache operations -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ALL)
+def test_serialize_load_continue_equals_uninterrupted(backend):
+    ex = get(backend)
+    straight, saved = ex.create_kv_cache(), ex.create_kv_cache()
+    ex.prefill(prompt(11), straight)
+    ex.prefill(prompt(11), saved)
+    restored = ex.create_kv_cache()
+    restored.load(saved.serialize())
+    assert restored.num_tokens == 11 and restored.cache_id != saved.cache_id
+    np.testing.assert_array_equal(restored.key_cache(1), saved.key_cache(1))
+    assert ex.sample_tokens(8, [4], restored).tolist() == ex.sample_tokens(8, [4], straight).tolist()
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_select_and_broadcast_with_batch_three(backend):
+    ex = get(backend)
+    single = ex.create_kv_cache()
+    ex.prefill(prompt(7), single)
+    batch = ex.create_kv_cache(batch_size=3)
+    batch.broadcast_and_copy_from(single)
+    assert batch.num_tokens == 7
+    for row in range(3):
+        np.testing.assert_array_equal(batch.key_cache(0)[row], single.key_cache(0)[0])
+    # Three candidates continue differently; selecting one equals running it alone.
+    ex.step([11, 12, 13], batch)
+    picked = ex.create_kv_cache()
+    picked.select_and_copy_from(batch, 2)
+    alone = single.deep_copy()
+    ex.step([13], alone)
+    np.testing.assert_allclose(picked.key_cache(1)[0], alone.key_cache(1)[0], rtol=0, atol=1e-5)
+    assert relative_error(ex.step([21], picked), ex.step([21], alone)) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_deep_copy_is_independent_and_clone_handle_shares(backend):
+    ex = get(backend)
+    cache = ex.create_kv_cache()
+    ex.prefill(prompt(5), cache)
+    copy, handle = cache.deep_copy(), cache.clone_handle()
+    assert copy.cache_id != cache.cache_id and handle.cache_id == cache.cache_id
+    ex.step([9], cache)
+    assert handle.num_tokens == 6 and copy.num_tokens == 5
+    np.testing.assert_array_equal(handle.key_cache(0), cache.key_cache(0))
+    assert not np.array_equal(copy.raw_keys(0), cache.raw_keys(0))
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_stats_and_block_table_follow_num_tokens(backend):
+    ex = get(backend)
+    cache = ex.create_kv_cache()
+    ex.prefill(prompt(33), cache)
+    stats = cache.stats()
+    assert stats.tokens_stored == cache.num_tokens == 33
+    assert stats.capacity == MAX_CONTEXT and stats.utilization == pytest.approx(33 / MAX_CONTEXT)
+    assert stats.memory_bytes == 2 * ex.config.num_layers * MAX_CONTEXT * ex.config.num_kv_heads * ex.config.head_dim * 4
+    assert cache.block_table == [0, 1, 2]  # 16-token blocks
+    assert cache.key_cache(0).shape == (1, 33, ex.config.num_kv_heads, ex.config.head_dim)
+    assert not cache.key_cache(0).flags.writeable
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "other_model", "version"])
+def test_bad_serialized_cache_leaves_target_unchanged(damage):
+    ex = get("onnx")
+    source, target = ex.create_kv_cache(), ex.create_kv_cache()
+    ex.prefill(prompt(6), source)
+    ex.prefill(prompt(4, seed=9), target)
+    before = target.key_cache(0).copy()
+    data = bytearray(source.serialize())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "flip":
+        data[len(data) // 2] ^= 0x40
+    elif damage == "other_model":
+        data = bytearray(reference("qwen3").create_kv_cache().serialize())
+    else:
+        from litekv.flat_tables import build
+        from litekv.kv_cache import IDENTIFIER, SCHEMA
+
+        data = build(SCHEMA, {"version": 99}, IDENTIFIER)
+    with pytest.raises(KVCacheError):
+        target.load(bytes(data))
+    assert target.num_tokens == 4
+    np.testing.assert_array_equal(target.key_cache(0), before)
+
+
+def test_context_full_is_raised_before_any_state_changes():
+    ex = get("onnx")
+    cache = ex.create_kv_cache()
+    ex.prefill(prompt(MAX_CONTEXT - 2), cache)
+    with pytest.raises(ContextFull):
+        ex.prefill(prompt(3), cache)
+    with pytest.raises(ContextFull):
+        ex.sample_tokens(3, [1], cache)
+    assert cache.num_tokens == MAX_CONTEXT - 2
+
+
+# ---- LoRA -----------------------------------------------------------------------------------------
+
+def write_peft_adapter(directory, cfg, rank, alpha, seed, targets=("q_proj", "k_proj", "v_proj", "o_proj")):
+    rng = np.random.default_rng(seed)
+    dims = {"q_proj": (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
+            "k_proj": (cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size),
+            "v_proj": (cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size),
+            "o_proj": (cfg.hidden_size, cfg.num_heads * cfg.head_dim)}
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for t in targets:
+            out_dim, in_dim = dims[t]
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{t}"
+            tensors[f"{prefix}.lora_A.weight"] = (0.3 * rng.standard_normal((rank, in_dim))).astype(np.float32)
+            tensors[f"{prefix}.lora_B.weight"] = (0.3 * rng.standard_normal((out_dim, rank))).astype(np.float32)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    (directory / "adapter_config.json").write_text(json.dumps(
+        {"r": rank, "lora_alpha": alpha, "target_modules": list(targets), "peft_type": "LORA"}))
+    return tensors
+
+
+def merged_reference(tensors, rank, alpha):
+    """The reference with W + (alpha / r) B A folded into the weights: independent of LoRA inputs."""
+    ckpt = load_checkpoint(checkpoint_dir(ARCH), with_tokenizer=False)
+    weights = dict(ckpt.weights)
+    for key, a in tensors.items():
+        if key.endswith("lora_A.weight"):
+            b = tensors[key.replace("lora_A", "lora_B")]
+            parts = key.split(".")
+            layer, target = parts[4], parts[6][0]
+            name = f"layers.{layer}.{target}.weight"
+            weights[name] = weights[name] + (alpha / rank) * (b @ a)
+    return NumpyExecutor(ckpt.config, weights, max_context=MAX_CONTEXT)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lora_matches_merged_weights_and_switches_per_call(backend, tmp_path):
+    ex = get(backend, lora_rank=8)
+    cfg = ex.config
+    first = write_peft_adapter(tmp_path / "a", cfg, rank=4, alpha=8, seed=1)  # lower rank: zero-padded
+    second = write_peft_adapter(tmp_path / "b", cfg, rank=8, alpha=4, seed=2)
+    id_a, id_b = ex.load_lora(tmp_path / "a"), ex.load_lora(tmp_path / "b")
+    plain = get(backend)
+    for lora_id, expected_model in ((id_a, merged_reference(first, 4, 8)), (None, reference(ARCH)),
+                                    (id_b, merged_reference(second, 8, 4)), (None, plain)):
+        ours, theirs = ex.create_kv_cache(), expected_model.create_kv_cache()
+        ex.prefill(prompt(9), ours, lora_id=lora_id)
+        expected_model.prefill(prompt(9), theirs)
+        assert relative_error(ex.step([3], ours, lora_id=lora_id), expected_model.step([3], theirs)) < 1e-4
+    ex.unload_lora(id_a)
+    with pytest.raises(LoraError):
+        ex.step([3], ex.create_kv_cache(), lora_id=id_a)
+
+
+def test_lora_rejects_mismatches(tmp_path):
+    ex = get("onnx", lora_rank=4)
+    write_peft_adapter(tmp_path / "big", ex.config, rank=8, alpha=8, seed=1)
+    with pytest.raises(LoraError, match="rank 8 is higher"):
+        ex.load_lora(tmp_path / "big")
+    write_peft_adapter(tmp_path / "mlp", ex.config, rank=2, alpha=2, seed=1, targets=("q_proj",))
+    bad = tmp_path / "mlp" / "adapter_model.safetensors"
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(bad))
+    tensors["base_model.model.model.layers.0.mlp.up_proj.lora_A.weight"] = np.zeros((2, 64), np.float32)
+    save_file(tensors, str(bad))
+    with pytest.raises(LoraError, match="not a LoRA factor"):
+        ex.load_lora(tmp_path / "mlp")
+    with pytest.raises(LoraError, match="without LoRA inputs"):
+        get("onnx").load_lora(tmp_path / "big")
+
+
+def test_unloading_an_adapter_in_use_is_refused(tmp_path):
+    ex = get("onnx", lora_rank=4)
+    write_peft_adapter(tmp_path / "a", ex.config, rank=4, alpha=4, seed=3)
+    lora_id = ex.load_lora(tmp_path / "a")
+    cache = ex.create_kv_cache()
+    ex.prefill(prompt(4), cache, lora_id=lora_id)
+    errors = []
+    with ex._call(lora_id):  # what a running call holds
+        try:
+            ex.unload_lora(lora_id)
+        except LoraInUse as e:
+            errors.append(e)
+    assert len(errors) == 1
+    ex.unload_lora(lora_id)
+
+
+# ---- cancellation -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cancel_stops_sample_tokens_within_one_step_and_continues_correctly(backend):
+    ex = get(backend)
+    rng = random.Random(5)
+    baseline_cache = ex.create_kv_cache()
+    ex.prefill(prompt(4), baseline_cache)
+    baseline = ex.sample_tokens(50, [8], baseline_cache)[0].tolist()
+    for trial in range(50):
+        cache = ex.create_kv_cache()
+        ex.prefill(prompt(4), cache)
+        stop_after = rng.randint(1, 45)
+        seen = []
+        original = ex._sample
+
+        def observed(*args, **kwargs):
+            out = original(*args, **kwargs)
+            seen.append(1)
+            if len(seen) == stop_after:
+                ex.cancel()
+            return out
+
+        ex._sample = observed
+        try:
+            with pytest.raises(Cancelled):
+                ex.sample_tokens(50, [8], cache)
+        finally:
+            del ex._sample
+        # At most one further step ran after the cancel, and the cache holds exactly those tokens.
+        assert len(seen) <= stop_after + 1
+        assert cache.num_tokens == 4 + len(seen)
+        produced = baseline[: len(seen)]
+        rest = ex.sample_tokens(50 - len(seen), [produced[-1]], cache)[0].tolist()
+        assert produced + rest == baseline, f"trial {trial}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cancel_stops_prefill_after_at_most_one_further_chunk(backend):
+    ex = get(backend)
+    long_prompt = prompt(MAX_CONTEXT - 1, seed=4)
+    expected = ex.create_kv_cache()
+    ex.prefill(long_prompt, expected)
+    for stop_after in (1, 2, 5):
+        cache, calls = ex.create_kv_cache(), []
+        original = ex._run_prefill_chunk
+
+        def observed(tokens, chunk, *args):
+            original(tokens, chunk, *args)
+            calls.append(chunk)
+            if len(calls) == stop_after:
+                ex.cancel()
+
+        ex._run_prefill_chunk = observed
+        try:
+            with pytest.raises(Cancelled):
+                ex.prefill(long_prompt, cache)
+        finally:
+            del ex._run_prefill_chunk
+        assert len(calls) <= stop_after + 1
+        assert cache.num_tokens == sum(c.real for c in calls)
+        ex.prefill(long_prompt[cache.num_tokens:], cache)
+        np.testing.assert_allclose(cache.key_cache(1), expected.key_cache(1), atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cancel_from_another_thread_during_prefill(backend):
+    ex = get(backend)
+    long_prompt = prompt(MAX_CONTEXT - 1, seed=4)
+    expected = ex.create_kv_cache()
+    ex.prefill(long_prompt, expected)
+    for _ in range(10):
+        cache = ex.create_kv_cache()
+        timer = threading.Timer(0.0005, ex.cancel)
+        timer.start()
+        try:
+            ex.prefill(long_prompt, cache)
+        except Cancelled:
+            pass
+        timer.join()
+        n = cache.num_tokens
+        assert 0 <= n <= len(long_prompt)
+        np.testing.assert_allclose(cache.key_cache(0), expected.key_cache(0)[:, :n], atol=1e-5)
+        ex.prefill(long_prompt[n:], cache)  # the executor keeps working and completes the prompt
+        np.testing.assert_allclose(cache.key_cache(2 % ex.config.num_layers), expected.key_cache(2 % ex.config.num_layers), atol=1e-5)
+
+
+def test_cancel_when_idle_is_a_noop():
+    ex = get("onnx")
+    ex.cancel()
+    cache = ex.create_kv_cache()
+    ex.prefill(prompt(5), cache)
+    assert cache.num_tokens == 5
