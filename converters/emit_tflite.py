@@ -33,6 +33,9 @@ class TFLiteWeights:
         self._consts: dict[str, Constant] = {}
 
     def matmul(self, name: str, parts: Sequence[str]) -> Constant:
+        tied_table = self.weights.get(parts[0]) is self.weights.get("embed.weight") and len(parts) == 1
+        if tied_table and self.plan.format_for(name) == "fp32" and self.plan.embedding == "fp32":
+            return self.table("embed.weight")  # a tied fp32 head reads the embedding buffer itself
         if name not in self._consts:
             w = np.concatenate([np.asarray(self.weights[p], np.float32) for p in parts])
             fmt = self.plan.format_for(name)

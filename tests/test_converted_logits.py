@@ -66,3 +66,14 @@ def test_same_model_same_fingerprint_on_both_backends():
     prints = {read_manifest(bundle("llama", b)).fingerprint for b in BACKENDS}
     assert len(prints) == 1
     assert read_manifest(bundle("llama", "onnx", "int8")).fingerprint not in prints
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_lora_inputs_equal_the_model_without_lora(backend):
+    with_lora, plain = executor("qwen2", backend, lora_rank=4), executor("qwen2", backend)
+    a, b = with_lora.create_kv_cache(), plain.create_kv_cache()
+    tokens = np.random.default_rng(3).integers(3, 300, 10)
+    with_lora.prefill(tokens, a)
+    plain.prefill(tokens, b)
+    np.testing.assert_array_equal(a.key_cache(1), b.key_cache(1))
+    np.testing.assert_array_equal(with_lora.step([5], a), plain.step([5], b))

@@ -104,8 +104,10 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         base = f"prefill_{tokens}" if kind == "prefill" else kind
         return base if capacity == self.max_context else f"{base}_s{capacity}"
 
-    def _kv_buffers(self, kv_cache: KVCache, row: int, capacity: int) -> dict[str, HostTensorBuffer]:
-        key = (id(self), "kv", row, capacity)
+    def _kv_buffers(self, kv_cache: KVCache, row: int, signature: str, capacity: int) -> dict[str, HostTensorBuffer]:
+        # One buffer object per signature: LiteRT ties a tensor buffer to the first signature
+        # that ran it, so sharing one across signatures made the second read stale memory.
+        key = (id(self), "kv", row, signature)
         if key not in kv_cache.bindings:
             buffers = {}
             for layer in range(self.config.num_layers):
@@ -143,7 +145,7 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         lora_id = next((i for i, a in self._adapters.items() if a is adapter), None) if adapter else None
         key = (id(self), "run", name, row, lora_id)
         if key not in kv_cache.bindings:
-            kv = self._kv_buffers(kv_cache, row, io.capacity)
+            kv = self._kv_buffers(kv_cache, row, name, io.capacity)
             lora = self._lora_buffers[lora_id] if self.manifest.signature(name).lora else {}
             inputs = {**{k: io.buffers[k] for k in io.arrays}, **kv, **lora}
             outputs = {**{k: io.buffers[k] for k in io.outputs}, **kv}
