@@ -20,7 +20,7 @@ from litekv.models.base import architecture
 from litekv.models.config import ModelConfig
 
 from .graph_ops import GraphOps, LoraSpec, Signature, Sym, rope_tables
-from .quantize import QuantPlan, int4_blockwise, int8_per_channel
+from .quantize import QuantPlan, int8_per_channel
 
 T_DIM = -1  # marker for the dynamic token axis in static shapes
 IR_VERSION = 10
@@ -127,12 +127,11 @@ class OnnxOps(GraphOps):
         return self._node("Cast", [out], out.shape, to=TensorProto.FLOAT) if half else out
 
     def matmul_weight(self, x: Sym, weight: str, parts: Sequence[str]) -> Sym:
-        w = np.concatenate([np.asarray(self.weights[p], np.float32) for p in parts])
-        out_dim, in_dim = w.shape
+        out_dim, in_dim = sum(self.weights[p].shape[0] for p in parts), self.weights[parts[0]].shape[1]
         shape = (*x.shape[:-1], out_dim)
         fmt = self.plan.format_for(weight)
         if fmt == "int4":
-            q, scales = int4_blockwise(w, self.plan.block_size)
+            q, scales, _ = self.int4_weights(weight, parts)
             n_blocks = in_dim // self.plan.block_size
             nibbles = (q.astype(np.int16) + 8).astype(np.uint8).reshape(out_dim, n_blocks, self.plan.block_size)
             packed = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
@@ -140,6 +139,7 @@ class OnnxOps(GraphOps):
                                               self._initializer(scales.astype(np.float32), weight + ".scales")],
                               shape, domain="com.microsoft", K=in_dim, N=out_dim, bits=4,
                               block_size=self.plan.block_size, accuracy_level=4)
+        w = self.stacked(parts)
         if fmt == "int8":
             q, scales = int8_per_channel(w)
             deq = self._node("DequantizeLinear", [self._initializer(np.ascontiguousarray(q.T), weight),
@@ -148,6 +148,10 @@ class OnnxOps(GraphOps):
                              (in_dim, out_dim), axis=1)
             return self._node("MatMul", [x, deq], shape)
         return self._node("MatMul", [x, self._initializer(np.ascontiguousarray(w.T), weight)], shape)
+
+    def matmul_const(self, x: Sym, name: str, w: np.ndarray) -> Sym:
+        return self._node("MatMul", [x, self._initializer(np.ascontiguousarray(w.T, np.float32), name)],
+                          (*x.shape[:-1], w.shape[0]))
 
     def matmul_input(self, x: Sym, w: Sym) -> Sym:
         wt = self._node("Transpose", [w], (w.shape[1], w.shape[0]), perm=[1, 0])

@@ -16,7 +16,7 @@ from litekv.models.base import architecture
 from litekv.models.config import ModelConfig
 
 from .graph_ops import GraphOps, LoraSpec, Signature, Sym, rope_tables
-from .quantize import QuantPlan, int4_blockwise, int8_per_channel
+from .quantize import QuantPlan, int8_per_channel
 from .tflite_writer import Constant, PerChannelQuant, SubgraphBuilder, TFLiteModelWriter
 
 _BINARY = {"add": "ADD", "sub": "SUB", "mul": "MUL", "div": "DIV"}
@@ -31,22 +31,27 @@ class TFLiteWeights:
         self.weights = weights
         self.plan = plan
         self._consts: dict[str, Constant] = {}
+        self.quant_cache: dict = {}
 
-    def matmul(self, name: str, parts: Sequence[str]) -> Constant:
+    def matmul(self, name: str, parts: Sequence[str], ops: "TFLiteOps") -> Constant:
         tied_table = self.weights.get(parts[0]) is self.weights.get("embed.weight") and len(parts) == 1
         if tied_table and self.plan.format_for(name) == "fp32" and self.plan.embedding == "fp32":
             return self.table("embed.weight")  # a tied fp32 head reads the embedding buffer itself
         if name not in self._consts:
-            w = np.concatenate([np.asarray(self.weights[p], np.float32) for p in parts])
             fmt = self.plan.format_for(name)
-            if fmt == "int8":
-                q, scales = int8_per_channel(w)
-                self._consts[name] = self.writer.add_constant(q, name, "int8", PerChannelQuant(tuple(scales), axis=0))
-            elif fmt == "int4":
-                q, scales = int4_blockwise(w, self.plan.block_size)
+            if fmt == "int4":
+                q, scales, _ = ops.int4_weights(name, parts)
                 self._consts[name] = self.writer.add_blockwise_int4(q, scales, name, self.plan.block_size)
+            elif fmt == "int8":
+                q, scales = int8_per_channel(ops.stacked(parts))
+                self._consts[name] = self.writer.add_constant(q, name, "int8", PerChannelQuant(tuple(scales), axis=0))
             else:
-                self._consts[name] = self.writer.add_constant(w, name, "float32")
+                self._consts[name] = self.writer.add_constant(ops.stacked(parts), name, "float32")
+        return self._consts[name]
+
+    def dense(self, name: str, w: np.ndarray) -> Constant:
+        if name not in self._consts:
+            self._consts[name] = self.writer.add_constant(np.asarray(w, np.float32), name, "float32")
         return self._consts[name]
 
     def table(self, name: str) -> Constant:
@@ -59,7 +64,7 @@ class TFLiteWeights:
 class TFLiteOps(GraphOps):
     def __init__(self, cfg: ModelConfig, store: TFLiteWeights, sg: SubgraphBuilder, sig: Signature,
                  lora: LoraSpec | None, tables):
-        super().__init__(cfg, store.weights, store.plan, sig, lora, tables)
+        super().__init__(cfg, store.weights, store.plan, sig, lora, tables, store.quant_cache)
         self.store = store
         self.sg = sg
         self._count = 0
@@ -132,9 +137,14 @@ class TFLiteOps(GraphOps):
         return self._op("DEQUANTIZE", [out], out.shape) if const.dtype == "float16" else out
 
     def matmul_weight(self, x: Sym, weight: str, parts: Sequence[str]) -> Sym:
-        const = self.store.matmul(weight, parts)
+        const = self.store.matmul(weight, parts, self)
         w = self.sg.use(const)
         return self._op("FULLY_CONNECTED", [x, w, -1], (*x.shape[:-1], const.shape[0]), keep_num_dims=True)
+
+    def matmul_const(self, x: Sym, name: str, w: np.ndarray) -> Sym:
+        const = self.store.dense(name, w)
+        return self._op("FULLY_CONNECTED", [x, self.sg.use(const), -1], (*x.shape[:-1], w.shape[0]),
+                        keep_num_dims=True)
 
     def matmul_input(self, x: Sym, w: Sym) -> Sym:
         return self._op("FULLY_CONNECTED", [x, w, -1], (*x.shape[:-1], w.shape[0]), keep_num_dims=True)

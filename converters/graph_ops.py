@@ -14,7 +14,7 @@ import numpy as np
 
 from litekv.models.config import ModelConfig, RopeConfig
 
-from .quantize import QuantPlan
+from .quantize import QuantPlan, int4_blockwise_asymmetric
 
 LORA_TARGETS = ("q", "k", "v", "o")
 
@@ -62,8 +62,10 @@ class GraphOps(ABC):
     """Traces one signature of an architecture definition into a backend graph."""
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan,
-                 sig: Signature, lora: LoraSpec | None, rope_tables: Mapping[RopeConfig, tuple[np.ndarray, np.ndarray]]):
+                 sig: Signature, lora: LoraSpec | None, rope_tables: Mapping[RopeConfig, tuple[np.ndarray, np.ndarray]],
+                 quant_cache: dict | None = None):
         self.cfg = cfg
+        self.quant_cache = {} if quant_cache is None else quant_cache  # shared by all signatures of a file
         self.weights = weights
         self.plan = plan
         self.sig = sig
@@ -105,6 +107,10 @@ class GraphOps(ABC):
     @abstractmethod
     def matmul_weight(self, x: Sym, weight: str, parts: Sequence[str]) -> Sym:
         """x [.., in] @ W^T where W stacks the canonical weights `parts` (stored once, quantized per plan)."""
+
+    @abstractmethod
+    def matmul_const(self, x: Sym, name: str, w: np.ndarray) -> Sym:
+        """x [.., in] @ w^T for a small float32 constant w [out, in] stored once under `name`."""
 
     @abstractmethod
     def matmul_input(self, x: Sym, w: Sym) -> Sym:
@@ -203,9 +209,29 @@ class GraphOps(ABC):
     def linear(self, x: Sym, name: str) -> Sym:
         return self.linears(x, (name,))[0]
 
+    def stacked(self, parts: Sequence[str]) -> np.ndarray:
+        return np.concatenate([np.asarray(self.weights[p], np.float32) for p in parts])
+
+    def int4_weights(self, name: str, parts: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(q, fp16 scales, offsets) of an int4 weight, computed once per model file."""
+        if name not in self.quant_cache:
+            self.quant_cache[name] = int4_blockwise_asymmetric(self.stacked(parts), self.plan.block_size)
+        return self.quant_cache[name]
+
+    def project(self, x: Sym, name: str, parts: Sequence[str]) -> Sym:
+        """x @ W^T in the plan's format; int4 adds its per-block offsets as sum_b offset[o, b] * sum(x in b)."""
+        y = self.matmul_weight(x, name, parts)
+        if self.plan.format_for(name) != "int4":
+            return y
+        offsets = self.int4_weights(name, parts)[2]
+        blocks = offsets.shape[1]
+        grouped = self.reshape(x, (*x.shape[:-1], blocks, self.plan.block_size))
+        sums = self.reshape(self.reduce_sum_last(grouped), (*x.shape[:-1], blocks))
+        return self.binary("add", y, self.matmul_const(sums, f"{name}.offsets", offsets))
+
     def linears(self, x: Sym, names: Sequence[str]) -> tuple[Sym, ...]:
         fused_name = "+".join(names)
-        y = self.matmul_weight(x, fused_name, [f"{n}.weight" for n in names])
+        y = self.project(x, fused_name, [f"{n}.weight" for n in names])
         if any(f"{n}.bias" in self.weights for n in names):
             bias = np.concatenate([np.asarray(self.weights.get(f"{n}.bias", np.zeros(self.weights[f"{n}.weight"].shape[0])),
                                               np.float32) for n in names])
@@ -232,7 +258,7 @@ class GraphOps(ABC):
     def logits(self, x: Sym, name: str) -> Sym:
         if x.shape[1] != 1:  # only the last position's logits leave the graph
             x = self.last_row(x)
-        return self.matmul_weight(x, name, [f"{name}.weight"])
+        return self.project(x, name, [f"{name}.weight"])
 
     @abstractmethod
     def last_row(self, x: Sym) -> Sym:

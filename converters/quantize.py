@@ -74,6 +74,26 @@ def int4_blockwise(w: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarr
     return q.astype(np.int8).reshape(out_dim, in_dim), scales16
 
 
+def int4_blockwise_asymmetric(w: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Min/max int4 per block: W ~= q * scale + offset with q in [-8, 7].
+
+    Returns (q int8 [out, in], scales fp16 [out, in/block], offsets fp32 [out, in/block]). The
+    16 levels span each block's own range, so weights that came from an asymmetric 4-bit format
+    (GGUF Q4_0/Q4_1/Q4_K) are reproduced almost exactly, which a symmetric grid cannot do.
+    """
+    w = np.asarray(w, np.float32)
+    out_dim, in_dim = w.shape
+    if in_dim % block_size:
+        raise ConfigError(f"input size {in_dim} is not a multiple of the int4 block size {block_size}.")
+    blocks = w.reshape(out_dim, in_dim // block_size, block_size)
+    lo, hi = blocks.min(axis=2), blocks.max(axis=2)
+    scales16 = np.clip((hi - lo) / 15.0, 2.0 ** -14, 65504.0).astype(np.float16)  # XNNPACK: normal positive
+    scales = scales16.astype(np.float32)
+    levels = np.clip(np.rint((blocks - lo[..., None]) / scales[..., None]), 0, 15)
+    offsets = (lo + 8.0 * scales).astype(np.float32)
+    return (levels - 8).astype(np.int8).reshape(out_dim, in_dim), scales16, offsets
+
+
 def dequantize_int4(q: np.ndarray, scales: np.ndarray, block_size: int) -> np.ndarray:
     out_dim, in_dim = q.shape
     blocks = q.reshape(out_dim, in_dim // block_size, block_size).astype(np.float32)

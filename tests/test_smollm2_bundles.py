@@ -1,0 +1,107 @@
+"""SmolLM2-135M converted to both formats, fp32 and quantized, against the numpy reference."""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+import tempfile
+
+import numpy as np
+import pytest
+
+from litekv.converters.checkpoint import load_checkpoint
+from litekv.converters.convert import ConvertOptions, convert
+from litekv.executor import open_executor
+from litekv.reference import ReferenceModel
+from real_models import smollm2_gguf
+
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+
+MAX_CONTEXT = 512
+PASSAGE = (
+    "The history of the bicycle is a story of many small improvements. Early machines in the nineteenth "
+    "century had no pedals at all: riders pushed themselves along with their feet. Later designs put pedals "
+    "on the front wheel, which made the wheel grow larger and larger, because a bigger wheel travelled "
+    "further with each turn of the pedals. These high wheelers were fast but dangerous, and a fall from one "
+    "could be serious. The safety bicycle solved the problem by driving the rear wheel with a chain, so both "
+    "wheels could be the same modest size. Air-filled tyres arrived soon after and made riding far more "
+    "comfortable on rough roads. Within a few years, bicycles became cheap enough for ordinary workers, and "
+    "they changed daily life in cities and villages alike. People could travel to jobs further from home, "
+    "visit friends in nearby towns, and explore the countryside on weekends. Women in particular gained a new "
+    "kind of freedom, and the bicycle played a part in changing the clothes they wore. Today, millions of "
+    "people ride to work every morning, and many cities are building new lanes to keep them safe from traffic."
+)
+CHAT_PROMPTS = ("What is the capital of France?", "Write one sentence about the ocean.")
+# Prompts whose fp32 answer has a clear margin at every step (the capital question is a near-tie
+# between "The" and "L" even in fp32), with a word any coherent answer contains.
+COHERENCE = (("How many days are in a week?", "7 days"), ("What color is the sky on a clear day?", "blue"))
+_ROOT = Path(tempfile.mkdtemp(prefix="litekv-smollm2-"))
+
+
+@lru_cache(maxsize=None)
+def checkpoint():
+    return load_checkpoint(smollm2_gguf())
+
+
+@lru_cache(maxsize=None)
+def reference() -> ReferenceModel:
+    ckpt = checkpoint()
+    return ReferenceModel(ckpt.config, ckpt.weights)
+
+
+@lru_cache(maxsize=None)
+def bundle(backend: str, quantize: str) -> Path:
+    options = ConvertOptions(backend=backend, quantize=quantize, max_context=MAX_CONTEXT, prefill_lengths=(32, 128))
+    return convert(smollm2_gguf(), _ROOT / f"{backend}-{quantize}", options)
+
+
+def greedy(executor, prompt: list[int], steps: int) -> list[int]:
+    cache = executor.create_kv_cache()
+    executor.prefill(prompt[:-1], cache)
+    return executor.sample_tokens(steps, [prompt[-1]], cache)[0].tolist()
+
+
+def chat_ids(text: str) -> list[int]:
+    return checkpoint().tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
+def top1_agreement(executor) -> float:
+    """Teacher-forced: does the bundle's most likely next token match the fp32 reference's?"""
+    tokens = checkpoint().tokenizer.encode(PASSAGE)[:201]
+    assert len(tokens) == 201
+    ref = reference()
+    expected = ref.forward(np.array(tokens[:-1]), ref.new_cache(256))[0].argmax(axis=-1)
+    cache = executor.create_kv_cache()
+    got = [int(np.argmax(executor.step([t], cache)[0])) for t in tokens[:-1]]
+    return float(np.mean(np.array(got) == expected))
+
+
+@pytest.mark.parametrize("backend", ["litert", "onnx"])
+def test_fp32_greedy_equals_reference_on_chat_prompts(backend):
+    ex = open_executor(bundle(backend, "fp32"))
+    for text in CHAT_PROMPTS:
+        prompt = chat_ids(text)
+        assert greedy(ex, prompt, 40) == reference().greedy(prompt, 40)
+
+
+@pytest.mark.parametrize("quantize, target", [("int8", 0.90), ("int4", 0.80)])
+@pytest.mark.parametrize("backend", ["litert", "onnx"])
+def test_quantized_agreement_and_coherent_answer(backend, quantize, target, record_property):
+    ex = open_executor(bundle(backend, quantize))
+    agreement = top1_agreement(ex)
+    record_property("top1_agreement", agreement)
+    print(f"{backend} {quantize}: top-1 agreement with fp32 reference over 200 positions = {agreement:.1%}")
+    assert agreement >= target
+    for question, expected in COHERENCE:
+        answer = checkpoint().tokenizer.decode(greedy(ex, chat_ids(question), 20))
+        print(f"  {question} -> {answer!r}")
+        assert expected in answer
+
+
+def test_bundle_sizes_shrink_with_quantization():
+    sizes = {}
+    for quantize in ("fp32", "int8", "int4"):
+        manifest = json.loads((bundle("litert", quantize) / "litekv.json").read_text())
+        sizes[quantize] = manifest["file_sizes"]["model.tflite"]
+    print("model.tflite sizes (MB):", {k: round(v / 1e6, 1) for k, v in sizes.items()})
+    assert sizes["int4"] < sizes["int8"] < 0.5 * sizes["fp32"]
