@@ -89,17 +89,22 @@ class ConvertOptions:
 
 
 def tflite_signatures(opts: ConvertOptions) -> list[Signature]:
-    """Prefill, decode and sampling entry points for every capacity bucket (suffix-free at max)."""
-    lora = opts.lora_rank is not None
+    """Prefill, decode and sampling entry points for every capacity bucket (suffix-free at max).
+
+    A LoRA-ready model gets each entry point twice, plain and with a `_lora` suffix, so running
+    without an adapter costs exactly what a model converted without LoRA costs.
+    """
     sigs = []
-    for capacity in opts.buckets():
-        suffix = "" if capacity == opts.max_context else f"_s{capacity}"
-        for tokens in sorted(set(opts.prefill_lengths)):
-            if tokens <= capacity:
-                sigs.append(Signature(f"prefill_{tokens}{suffix}", tokens, capacity, lora, logits=False))
-        sigs.append(Signature(f"decode{suffix}", 1, capacity, lora))
-        if opts.sampler:
-            sigs.append(Signature(f"sample{suffix}", 1, capacity, lora, sampler=True))
+    for lora in (False, True) if opts.lora_rank is not None else (False,):
+        tail = "_lora" if lora else ""
+        for capacity in opts.buckets():
+            suffix = ("" if capacity == opts.max_context else f"_s{capacity}") + tail
+            for tokens in sorted(set(opts.prefill_lengths)):
+                if tokens <= capacity:
+                    sigs.append(Signature(f"prefill_{tokens}{suffix}", tokens, capacity, lora, logits=False))
+            sigs.append(Signature(f"decode{suffix}", 1, capacity, lora))
+            if opts.sampler:
+                sigs.append(Signature(f"sample{suffix}", 1, capacity, lora, sampler=True))
     return sigs
 
 
@@ -166,7 +171,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
 
         sigs = tflite_signatures(options)
         tick = bar.stage("tracing signatures")
-        writer = emit_tflite(cfg, ckpt.weights, plan, sigs, options.lora, options.max_context,
+        writer, groups = emit_tflite(cfg, ckpt.weights, plan, sigs, options.lora, options.max_context,
                              progress=lambda name, n=iter(range(1, len(sigs) + 1)): tick(next(n), len(sigs), name))
         writer.write(staging / "model.tflite")
         bar.stage("writing model.tflite")(1, 1, f"{writer.data_bytes / 1e6:.0f} MB of weights")
@@ -174,13 +179,13 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
                                                                          else "prefill"),
                                     s.tokens, s.capacity, s.lora, tuple(sg.inputs), tuple(sg.outputs))
                       for s, sg in zip(sigs, writer.subgraphs))
-        model_file, layout, sampler_file = "model.tflite", "BSHD", None
+        model_file, layout, sampler_file, lora_layout = "model.tflite", "BSHD", None, "out_in"
     else:
         import onnx
 
         from .emit_onnx import emit_onnx, emit_onnx_sampler
 
-        model = emit_onnx(cfg, ckpt.weights, plan, options.lora, options.max_context)
+        model, groups = emit_onnx(cfg, ckpt.weights, plan, options.lora, options.max_context)
         bar.stage("tracing graph")(1, 1, f"{len(model.graph.node)} nodes")
         onnx.save_model(model, str(staging / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
                         location="model.onnx.data", size_threshold=1024)
@@ -191,7 +196,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         bar.stage("writing model.onnx")(1, 1, "")
         infos = (SignatureInfo("model", "step", -1, options.max_context, options.lora_rank is not None,
                                tuple(i.name for i in model.graph.input), tuple(o.name for o in model.graph.output)),)
-        model_file, layout = "model.onnx", "BHSD"
+        model_file, layout, lora_layout = "model.onnx", "BHSD", "in_out"
     tok = ckpt.tokenizer
     return Manifest(
         backend=options.backend, model_file=model_file, config=cfg, max_context=options.max_context,
@@ -200,6 +205,8 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         lora_targets=tuple(options.lora_targets) if options.lora_rank else (), signatures=infos,
         fingerprint=fingerprint(cfg, ckpt.weights, plan), chat_template=tok.chat_template,
         bos_token_id=tok.bos_token_id, eos_token_ids=tuple(tok.eos_token_ids), sampler_file=sampler_file,
+        lora_groups={name: [list(parts), list(targets)] for name, (parts, targets) in groups.items()},
+        lora_layout=lora_layout,
     )
 
 

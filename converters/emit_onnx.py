@@ -22,6 +22,7 @@ from litekv.models.config import ModelConfig
 from .graph_ops import GraphOps, LoraSpec, Signature, Sym, rope_tables
 from .quantize import QuantPlan, int8_per_channel
 
+LORA_LAYOUT = "in_out"
 T_DIM = -1  # marker for the dynamic token axis in static shapes
 IR_VERSION = 10
 OPSET = 21
@@ -154,11 +155,10 @@ class OnnxOps(GraphOps):
                           (*x.shape[:-1], w.shape[0]))
 
     def matmul_input(self, x: Sym, w: Sym) -> Sym:
-        wt = self._node("Transpose", [w], (w.shape[1], w.shape[0]), perm=[1, 0])
-        return self._node("MatMul", [x, wt], (*x.shape[:-1], w.shape[0]))
+        return self._node("MatMul", [x, w], (*x.shape[:-1], w.shape[1]))
 
-    def lora_input(self, name: str, shape: tuple[int, int]) -> Sym:
-        return self.input(name, shape)
+    def lora_input(self, name: str, out_dim: int, in_dim: int) -> Sym:
+        return self.input(name, (in_dim, out_dim))  # MatMul reads [in, out]: no transpose per step
 
     def int_op(self, op: str, a: Sym, b: Sym) -> Sym:
         name = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "mod": "Mod", "min": "Min"}[op]
@@ -253,7 +253,7 @@ def emit_onnx(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPl
     model = ops.finish(architecture(cfg.architecture).forward(ops, cfg))
     if progress:
         progress("model")
-    return model
+    return model, ops.lora_groups
 
 
 def emit_onnx_sampler(cfg: ModelConfig) -> onnx.ModelProto:

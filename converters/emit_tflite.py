@@ -19,6 +19,7 @@ from .graph_ops import GraphOps, LoraSpec, Signature, Sym, rope_tables
 from .quantize import QuantPlan, int8_per_channel
 from .tflite_writer import Constant, PerChannelQuant, SubgraphBuilder, TFLiteModelWriter
 
+LORA_LAYOUT = "out_in"
 _BINARY = {"add": "ADD", "sub": "SUB", "mul": "MUL", "div": "DIV"}
 _UNARY = {"rsqrt": "RSQRT", "tanh": "TANH", "sigmoid": "LOGISTIC", "exp": "EXP", "neg": "NEG", "floor": "FLOOR"}
 
@@ -149,8 +150,8 @@ class TFLiteOps(GraphOps):
     def matmul_input(self, x: Sym, w: Sym) -> Sym:
         return self._op("FULLY_CONNECTED", [x, w, -1], (*x.shape[:-1], w.shape[0]), keep_num_dims=True)
 
-    def lora_input(self, name: str, shape: tuple[int, int]) -> Sym:
-        return self.input(name, shape)
+    def lora_input(self, name: str, out_dim: int, in_dim: int) -> Sym:
+        return self.input(name, (out_dim, in_dim))  # FULLY_CONNECTED weights are [out, in]
 
     def int_op(self, op: str, a: Sym, b: Sym) -> Sym:
         name = {"add": "ADD", "sub": "SUB", "mul": "MUL", "div": "FLOOR_DIV", "mod": "FLOOR_MOD", "min": "MINIMUM"}[op]
@@ -256,10 +257,12 @@ def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: Quant
     store = TFLiteWeights(writer, weights, plan)
     tables = rope_tables(cfg, max_context)
     forward = architecture(cfg.architecture).forward
+    groups = {}
     for sig in signatures:
         ops = TFLiteOps(cfg, store, writer.add_signature(sig.name), sig, lora, tables)
         ops.begin()
         ops.finish(forward(ops, cfg))
+        groups.update(ops.lora_groups)
         if progress:
             progress(sig.name)
-    return writer
+    return writer, groups

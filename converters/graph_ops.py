@@ -54,8 +54,8 @@ class LoraSpec:
     targets: tuple[str, ...] = LORA_TARGETS
 
 
-def lora_input_names(layer: int, target: str) -> tuple[str, str]:
-    return f"lora_a_{layer}_{target}", f"lora_b_{layer}_{target}"
+def lora_input_names(layer: int, group: str) -> tuple[str, str]:
+    return f"lora_a_{layer}_{group}", f"lora_b_{layer}_{group}"
 
 
 class GraphOps(ABC):
@@ -74,6 +74,8 @@ class GraphOps(ABC):
         self.positions: Sym | None = None  # int32 [T], set by the emitter
         self.tokens: Sym | None = None  # int32 [1, T]
         self._rope_cache: dict[RopeConfig, tuple[Sym, Sym]] = {}
+        # group name -> (parts of the fused projection, LoRA targets among them), for the manifest
+        self.lora_groups: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
     # ---- primitives every emitter implements -------------------------------------------------
     @abstractmethod
@@ -117,7 +119,8 @@ class GraphOps(ABC):
         """x [.., in] @ w^T with w a graph input [out, in] (LoRA factors)."""
 
     @abstractmethod
-    def lora_input(self, name: str, shape: tuple[int, int]) -> Sym: ...
+    def lora_input(self, name: str, out_dim: int, in_dim: int) -> Sym:
+        """A LoRA factor input for `matmul_input`, in the emitter's own layout (see LORA_LAYOUT)."""
 
     # ---- primitives for in-graph sampling (see sampling_graph) -----------------------------------
     @abstractmethod
@@ -236,23 +239,33 @@ class GraphOps(ABC):
             bias = np.concatenate([np.asarray(self.weights.get(f"{n}.bias", np.zeros(self.weights[f"{n}.weight"].shape[0])),
                                               np.float32) for n in names])
             y = self.binary("add", y, self.const(bias))
+        y = self._with_lora(x, y, names)
         outs, start = [], 0
         for n in names:
             width = self.weights[f"{n}.weight"].shape[0]
-            part = y if len(names) == 1 else self.slice_last(y, start, width)
-            outs.append(self._with_lora(x, part, n))
+            outs.append(y if len(names) == 1 else self.slice_last(y, start, width))
             start += width
         return tuple(outs)
 
-    def _with_lora(self, x: Sym, y: Sym, name: str) -> Sym:
-        layer_str, _, target = name.partition(".")[2].partition(".")
-        if self.lora is None or target not in self.lora.targets:
+    def _with_lora(self, x: Sym, y: Sym, names: Sequence[str]) -> Sym:
+        """y + B (A x) for the LoRA targets of one fused projection, as two small matmuls.
+
+        A stacks the targets' A factors [n*r, in]; B [out, n*r] is block-structured (the runtime
+        fills each target's rows and columns, alpha / r folded in), so a group costs three ops.
+        """
+        if self.lora is None:
             return y
-        layer = int(layer_str)
-        out_dim, in_dim = self.weights[f"{name}.weight"].shape
-        a_name, b_name = lora_input_names(layer, target)
-        a = self.lora_input(a_name, (self.lora.rank, in_dim))
-        b = self.lora_input(b_name, (out_dim, self.lora.rank))  # alpha / r is folded into B by the runtime
+        parts = tuple(n.rsplit(".", 1)[1] for n in names)
+        targets = tuple(t for t in parts if t in self.lora.targets)
+        if not targets:
+            return y
+        group = "".join(targets)
+        self.lora_groups[group] = (parts, targets)
+        layer = int(names[0].split(".")[1])
+        a_name, b_name = lora_input_names(layer, group)
+        width = self.lora.rank * len(targets)
+        a = self.lora_input(a_name, width, x.shape[-1])
+        b = self.lora_input(b_name, y.shape[-1], width)
         return self.binary("add", y, self.matmul_input(self.matmul_input(x, a), b))
 
     def logits(self, x: Sym, name: str) -> Sym:

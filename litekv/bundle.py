@@ -57,6 +57,10 @@ class Manifest:
     file_sizes: dict[str, int] = field(default_factory=dict)
     source: dict[str, Any] = field(default_factory=dict)
     sampler_file: str | None = None
+    # LoRA input groups per layer: name -> [projection parts of the fused matmul, LoRA targets among them];
+    # inputs lora_a_<layer>_<name> / lora_b_<layer>_<name> in `lora_layout` ("out_in" or "in_out").
+    lora_groups: dict[str, list[list[str]]] = field(default_factory=dict)
+    lora_layout: str = "out_in"
 
     def signature(self, name: str) -> SignatureInfo:
         for sig in self.signatures:

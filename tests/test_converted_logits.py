@@ -70,10 +70,17 @@ def test_same_model_same_fingerprint_on_both_backends():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_zero_lora_inputs_equal_the_model_without_lora(backend):
+    from litekv.executor import LoraAdapter
+
     with_lora, plain = executor("qwen2", backend, lora_rank=4), executor("qwen2", backend)
-    a, b = with_lora.create_kv_cache(), plain.create_kv_cache()
+    zeros = LoraAdapter("zeros", 4, {})  # runs the LoRA entry points with all-zero factors
+    zero_id = with_lora.load_lora(zeros)
     tokens = np.random.default_rng(3).integers(3, 300, 10)
-    with_lora.prefill(tokens, a)
-    plain.prefill(tokens, b)
-    np.testing.assert_array_equal(a.key_cache(1), b.key_cache(1))
-    np.testing.assert_array_equal(with_lora.step([5], a), plain.step([5], b))
+    expected_cache = plain.create_kv_cache()
+    plain.prefill(tokens, expected_cache)
+    expected = plain.step([5], expected_cache)
+    for lora_id in (None, zero_id):
+        cache = with_lora.create_kv_cache()
+        with_lora.prefill(tokens, cache, lora_id=lora_id)
+        np.testing.assert_array_equal(cache.key_cache(1), expected_cache.key_cache(1)[:, :10])
+        np.testing.assert_array_equal(with_lora.step([5], cache, lora_id=lora_id), expected)

@@ -19,7 +19,7 @@ from litekv.kv_cache import KVCache, aligned_zeros
 from litekv.litert_capi import CompiledTFLiteModel, HostTensorBuffer
 
 from .base import ExternalSamplerExecutor, InternalSamplerExecutor, SamplerParams
-from .lora import LoraAdapter, projection_shape
+from .lora import LoraAdapter, lora_inputs
 from .prefill_plan import Chunk
 
 MASKED = np.finfo(np.float32).min
@@ -90,7 +90,7 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         for sig in manifest.signatures:
             self._io[sig.name] = _SignatureIO(sig.name, sig.tokens, sig.capacity, cfg.vocab_size, self._sliding,
                                               sig.kind == "sample")
-        self._lora_buffers: dict[int | None, dict[str, HostTensorBuffer]] = {None: self._lora_inputs(None)}
+        self._lora_buffers: dict[int | None, dict[str, HostTensorBuffer]] = {}
         self._run_lock = threading.Lock()  # the signature IO buffers are shared by all caches
 
     def create_kv_cache(self, batch_size: int = 1) -> KVCache:
@@ -98,11 +98,15 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         return KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, self.max_context, "BSHD")
 
     # ---- binding ---------------------------------------------------------------------------------
-    def _signature_name(self, kind: str, end: int, tokens: int = 1) -> str:
-        """The entry point of the smallest capacity bucket that holds positions < end."""
+    def _signature_name(self, kind: str, end: int, adapter: LoraAdapter | None, tokens: int = 1) -> str:
+        """The entry point of the smallest capacity bucket that holds positions < end.
+
+        Without an adapter the plain entry points run: a LoRA-ready model then costs nothing extra.
+        """
         capacity = next(s for s in self.buckets if s >= end)
         base = f"prefill_{tokens}" if kind == "prefill" else kind
-        return base if capacity == self.max_context else f"{base}_s{capacity}"
+        name = base if capacity == self.max_context else f"{base}_s{capacity}"
+        return name + "_lora" if adapter is not None else name
 
     def _kv_buffers(self, kv_cache: KVCache, row: int, signature: str, capacity: int) -> dict[str, HostTensorBuffer]:
         # One buffer object per signature: LiteRT ties a tensor buffer to the first signature
@@ -120,15 +124,11 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         if self.lora_rank is None:
             return {}
         buffers = {}
-        for layer in range(self.config.num_layers):
-            for target in self.lora_targets:
-                out_dim, in_dim = projection_shape(self.config, target)
-                a, b = aligned_zeros((self.lora_rank, in_dim)), aligned_zeros((out_dim, self.lora_rank))
-                factors = adapter.factors.get((layer, target)) if adapter else None
-                if factors:
-                    a[...], b[...] = factors
-                buffers[f"lora_a_{layer}_{target}"], buffers[f"lora_b_{layer}_{target}"] = (HostTensorBuffer(a),
-                                                                                        HostTensorBuffer(b))
+        m = self.manifest
+        for name, array in lora_inputs(adapter, self.config, m.lora_groups, self.lora_rank, m.lora_layout).items():
+            aligned = aligned_zeros(array.shape)
+            aligned[...] = array
+            buffers[name] = HostTensorBuffer(aligned)
         return buffers
 
     def load_lora(self, adapter, name: str | None = None) -> int:
@@ -146,7 +146,7 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         key = (id(self), "run", name, row, lora_id)
         if key not in kv_cache.bindings:
             kv = self._kv_buffers(kv_cache, row, name, io.capacity)
-            lora = self._lora_buffers[lora_id] if self.manifest.signature(name).lora else {}
+            lora = self._lora_buffers[lora_id] if adapter is not None else {}
             inputs = {**{k: io.buffers[k] for k in io.arrays}, **kv, **lora}
             outputs = {**{k: io.buffers[k] for k in io.outputs}, **kv}
             kv_cache.bindings[key] = self.model.bind(name, inputs, outputs)
@@ -166,12 +166,12 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
     def _run_prefill_chunk(self, tokens: np.ndarray, chunk: Chunk, kv_cache: KVCache, row: int,
                            adapter: LoraAdapter | None) -> None:
         kind = "prefill" if chunk.length > 1 else "decode"
-        name = self._signature_name(kind, chunk.start + chunk.length, chunk.length)
+        name = self._signature_name(kind, chunk.start + chunk.length, adapter, chunk.length)
         with self._run_lock:
             self._run(name, tokens, chunk.start, kv_cache, row, adapter)
 
     def _decode(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None) -> np.ndarray:
-        name = self._signature_name("decode", kv_cache.num_tokens + 1)
+        name = self._signature_name("decode", kv_cache.num_tokens + 1, adapter)
         out = np.empty((kv_cache.batch_size, self.config.vocab_size), np.float32)
         with self._run_lock:
             for row in range(kv_cache.batch_size):
@@ -181,7 +181,7 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
 
     def _sample(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None,
                 sampler: SamplerParams) -> np.ndarray:
-        name = self._signature_name("sample", kv_cache.num_tokens + 1)
+        name = self._signature_name("sample", kv_cache.num_tokens + 1, adapter)
         out = np.empty(kv_cache.batch_size, np.int32)
         greedy = sampler.greedy
         with self._run_lock:

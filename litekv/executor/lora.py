@@ -94,3 +94,38 @@ def load_peft_adapter(path: str | Path, cfg: ModelConfig, model_rank: int, model
     return LoraAdapter(name or path.name, rank, factors)
 
 LORA_TARGETS_ALL = tuple(_MODULES.values())
+
+
+def group_factors(adapter: LoraAdapter | None, cfg: ModelConfig, layer: int, parts: list[str], targets: list[str],
+                  rank: int, layout: str) -> tuple[np.ndarray, np.ndarray]:
+    """The stacked LoRA inputs of one fused projection (see converters.graph_ops._with_lora).
+
+    A [len(targets) * rank, in] stacks each target's A; B [sum(out of parts), len(targets) * rank]
+    holds each target's (scaled) B in its own rows and columns and zeros elsewhere. With
+    layout "in_out" both come transposed. No adapter (or a target it lacks) gives zeros.
+    """
+    outs = [projection_shape(cfg, p)[0] for p in parts]
+    in_dim = projection_shape(cfg, parts[0])[1]
+    a = np.zeros((len(targets) * rank, in_dim), np.float32)
+    b = np.zeros((sum(outs), len(targets) * rank), np.float32)
+    for j, target in enumerate(targets):
+        factors = adapter.factors.get((layer, target)) if adapter else None
+        if factors is None:
+            continue
+        row = sum(outs[:parts.index(target)])
+        a[j * rank:(j + 1) * rank] = factors[0]
+        b[row:row + outs[parts.index(target)], j * rank:(j + 1) * rank] = factors[1]
+    if layout == "in_out":
+        return np.ascontiguousarray(a.T), np.ascontiguousarray(b.T)
+    return a, b
+
+
+def lora_inputs(adapter: LoraAdapter | None, cfg: ModelConfig, groups: dict[str, list[list[str]]], rank: int,
+                layout: str) -> dict[str, np.ndarray]:
+    """Every LoRA input of a converted model, by input name."""
+    arrays = {}
+    for layer in range(cfg.num_layers):
+        for group, (parts, targets) in groups.items():
+            a, b = group_factors(adapter, cfg, layer, parts, targets, rank, layout)
+            arrays[f"lora_a_{layer}_{group}"], arrays[f"lora_b_{layer}_{group}"] = a, b
+    return arrays

@@ -16,7 +16,7 @@ from litekv.errors import AcceleratorUnavailable, BackendError, Cancelled, Missi
 from litekv.kv_cache import KVCache, aligned_zeros
 
 from .base import ExternalSamplerExecutor, InternalSamplerExecutor, SamplerParams
-from .lora import LoraAdapter, projection_shape
+from .lora import LoraAdapter, lora_inputs
 from .prefill_plan import Chunk
 
 # accelerator name -> execution providers to try, in order
@@ -82,60 +82,46 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         self._ort = ort
         self._run_options = ort.RunOptions()
         self._options_lock = threading.Lock()
-        self._zero_lora = self._lora_arrays(None)
+        self.manifest = manifest
+        self._lora_cache: dict[int | None, dict[str, np.ndarray]] = {None: self._lora_arrays(None)}
 
     # ---- caches and bindings -------------------------------------------------------------------
     def create_kv_cache(self, batch_size: int = 1) -> KVCache:
         cfg = self.config
         return KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, self.max_context, "BHSD")
 
-    def _binding(self, kv_cache: KVCache, row: int):
+    def _binding(self, kv_cache: KVCache, row: int) -> "_RowBinding":
         """IO binding of one batch row, with its K/V bound in place (memoized on the cache)."""
         key = (id(self), row)
         if key not in kv_cache.bindings:
-            io = self.session.io_binding()
-            keep = []
-            for layer in range(self.config.num_layers):
-                for kind, buf in (("key", kv_cache.raw_keys(layer)), ("value", kv_cache.raw_values(layer))):
-                    value = self._ort.OrtValue.ortvalue_from_numpy(buf[row:row + 1])
-                    io.bind_ortvalue_input(f"past_{kind}_{layer}", value)
-                    io.bind_ortvalue_output(f"present_{kind}_{layer}", value)
-                    keep.append(value)
-            logits = aligned_zeros((1, 1, self.config.vocab_size))
-            logits_value = self._ort.OrtValue.ortvalue_from_numpy(logits)
-            io.bind_ortvalue_output("logits", logits_value)
-            kv_cache.bindings[key] = (io, logits, logits_value, keep)
+            kv_cache.bindings[key] = _RowBinding(self, kv_cache, row)
         return kv_cache.bindings[key]
 
     def _lora_arrays(self, adapter: LoraAdapter | None) -> dict[str, np.ndarray]:
         if self.lora_rank is None:
             return {}
-        arrays = {}
-        for layer in range(self.config.num_layers):
-            for target in self.lora_targets:
-                out_dim, in_dim = projection_shape(self.config, target)
-                factors = adapter.factors.get((layer, target)) if adapter else None
-                a, b = factors if factors else (np.zeros((self.lora_rank, in_dim), np.float32),
-                                                np.zeros((out_dim, self.lora_rank), np.float32))
-                arrays[f"lora_a_{layer}_{target}"], arrays[f"lora_b_{layer}_{target}"] = a, b
-        return arrays
+        return lora_inputs(adapter, self.config, self.manifest.lora_groups, self.lora_rank, self.manifest.lora_layout)
+
+    def load_lora(self, adapter, name: str | None = None) -> int:
+        lora_id = super().load_lora(adapter, name)
+        self._lora_cache[lora_id] = self._lora_arrays(self._adapters[lora_id])
+        return lora_id
+
+    def unload_lora(self, lora_id: int) -> None:
+        super().unload_lora(lora_id)
+        self._lora_cache.pop(lora_id, None)
 
     def _run(self, tokens: np.ndarray, start: int, kv_cache: KVCache, row: int, adapter: LoraAdapter | None):
-        io, logits, logits_value, _ = self._binding(kv_cache, row)
-        steps = len(tokens)
-        io.bind_cpu_input("tokens", tokens.reshape(1, steps).astype(np.int32))
-        io.bind_cpu_input("input_pos", np.arange(start, start + steps, dtype=np.int32))
-        io.bind_cpu_input("seqlens_k", np.array([start + steps - 1], np.int32))
-        io.bind_cpu_input("total_sequence_length", np.array(start + steps, np.int32))
-        for name, array in (self._lora_arrays(adapter) if adapter else self._zero_lora).items():
-            io.bind_cpu_input(name, array)
+        binding = self._binding(kv_cache, row)
+        lora_id = next((i for i, a in self._adapters.items() if a is adapter), None) if adapter else None
+        binding.prepare(tokens, start, lora_id)
         try:
-            self.session.run_with_iobinding(io, self._run_options)
+            self.session.run_with_iobinding(binding.io, self._run_options)
         except Exception as e:
             if "terminate flag" in str(e):
                 raise Cancelled("onnx call cancelled inside the model run.") from e
             raise BackendError(f"onnxruntime failed: {e}") from e
-        return logits, logits_value
+        return binding.logits, binding.logits_value
 
     # ---- hooks -----------------------------------------------------------------------------------
     def _run_prefill_chunk(self, tokens: np.ndarray, chunk: Chunk, kv_cache: KVCache, row: int,
@@ -173,3 +159,50 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
 
     def _reset_backend_cancel(self) -> None:
         self._run_options = self._ort.RunOptions()  # a terminated RunOptions stays terminated
+
+
+class _RowBinding:
+    """Everything bound for one cache row. Inputs are numpy arrays bound once and rewritten in
+    place each call, so a decode step binds nothing; only a new chunk length or adapter rebinds."""
+
+    def __init__(self, executor: OnnxExecutor, kv_cache: KVCache, row: int):
+        ort = executor._ort
+        self.executor = executor
+        self.io = executor.session.io_binding()
+        self.keep: dict[str, object] = {}  # bound OrtValues must outlive the binding
+        for layer in range(executor.config.num_layers):
+            for kind, buf in (("key", kv_cache.raw_keys(layer)), ("value", kv_cache.raw_values(layer))):
+                value = ort.OrtValue.ortvalue_from_numpy(buf[row:row + 1])
+                self.io.bind_ortvalue_input(f"past_{kind}_{layer}", value)
+                self.io.bind_ortvalue_output(f"present_{kind}_{layer}", value)
+                self.keep[f"past_{kind}_{layer}"] = value
+        self.logits = aligned_zeros((1, 1, executor.config.vocab_size))
+        self.logits_value = ort.OrtValue.ortvalue_from_numpy(self.logits)
+        self.io.bind_ortvalue_output("logits", self.logits_value)
+        self.seqlens = np.zeros(1, np.int32)
+        self.total = np.zeros((), np.int32)
+        self._bind("seqlens_k", self.seqlens)
+        self._bind("total_sequence_length", self.total)
+        self.steps = -1
+        self.lora_id: object = "unbound"
+
+    def _bind(self, name: str, array: np.ndarray) -> None:
+        value = self.executor._ort.OrtValue.ortvalue_from_numpy(array)
+        self.io.bind_ortvalue_input(name, value)
+        self.keep[name] = value
+
+    def prepare(self, tokens: np.ndarray, start: int, lora_id: int | None) -> None:
+        steps = len(tokens)
+        if steps != self.steps:
+            self.tokens, self.positions = np.zeros((1, steps), np.int32), np.zeros(steps, np.int32)
+            self._bind("tokens", self.tokens)
+            self._bind("input_pos", self.positions)
+            self.steps = steps
+        self.tokens[0] = tokens
+        self.positions[:] = np.arange(start, start + steps, dtype=np.int32)
+        self.seqlens[0] = start + steps - 1
+        self.total[...] = start + steps
+        if lora_id != self.lora_id:
+            for name, array in self.executor._lora_cache[lora_id].items():
+                self._bind(name, array)
+            self.lora_id = lora_id

@@ -1,0 +1,56 @@
+"""Shared helpers for the benchmarks: bundles converted once, timing, result files."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from litekv.catalog import cache_dir, checkpoint_path
+from litekv.converters.convert import ConvertOptions, convert
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def smollm2_bundle(backend: str, quantize: str, max_context: int = 4096, lora_rank: int | None = None,
+                   prefill_lengths: tuple[int, ...] = (32, 128, 512)) -> Path:
+    """A SmolLM2 bundle in the user cache, converted on first use."""
+    name = f"smollm2-{backend}-{quantize}-ctx{max_context}-lora{lora_rank}-p{'_'.join(map(str, prefill_lengths))}"
+    path = cache_dir() / "bench-bundles" / name
+    if not (path / "litekv.json").exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        options = ConvertOptions(backend=backend, quantize=quantize, max_context=max_context, lora_rank=lora_rank,
+                                 prefill_lengths=prefill_lengths)
+        print(f"converting {name} ...", file=sys.stderr)
+        convert(checkpoint_path(), path, options, show_progress=True)
+    return path
+
+
+def median_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    """Median wall seconds of fn()."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def save(name: str, result: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    result = {"threads": int(os.environ.get("LITEKV_THREADS", 2)), "when": time.strftime("%Y-%m-%d %H:%M"),
+              **result}
+    path.write_text(json.dumps(result, indent=1))
+    return path
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
