@@ -30,17 +30,20 @@ def checkpoint_dir(arch: str) -> Path:
 
 
 @lru_cache(maxsize=None)
-def bundle(arch: str, backend: str, quantize: str = "fp32", lora_rank: int | None = None) -> Path:
-    options = ConvertOptions(backend=backend, quantize=quantize, max_context=MAX_CONTEXT,
+def bundle(arch: str, backend: str, quantize: str = "fp32", lora_rank: int | None = None,
+           max_context: int = MAX_CONTEXT) -> Path:
+    buckets = tuple(b for b in (16, 32, 64, 128, 256, 512) if b < max_context) + (max_context,)
+    options = ConvertOptions(backend=backend, quantize=quantize, max_context=max_context,
                              prefill_lengths=PREFILL_LENGTHS, lora_rank=lora_rank,
-                             kv_buckets=KV_BUCKETS if backend == "litert" else None)
-    name = f"{arch}-{backend}-{quantize}-{lora_rank}"
+                             kv_buckets=buckets if backend == "litert" else None)
+    name = f"{arch}-{backend}-{quantize}-{lora_rank}-{max_context}"
     return convert(checkpoint_dir(arch), _ROOT / name, options)
 
 
 @lru_cache(maxsize=None)
-def executor(arch: str, backend: str, quantize: str = "fp32", lora_rank: int | None = None):
-    return open_executor(bundle(arch, backend, quantize, lora_rank))
+def executor(arch: str, backend: str, quantize: str = "fp32", lora_rank: int | None = None,
+             max_context: int = MAX_CONTEXT):
+    return open_executor(bundle(arch, backend, quantize, lora_rank, max_context))
 
 
 @lru_cache(maxsize=None)
