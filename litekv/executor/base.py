@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 
-from contextlib import contextmanager
-
-from litekv.errors import Cancelled, ConfigError, ContextFull, LitekvError
+from litekv.errors import Cancelled, ConfigError, ContextFull
 from litekv.kv_cache import KVCache
 from litekv.models.config import ModelConfig
 from litekv.sampling import step_seed
@@ -235,10 +234,3 @@ class InternalSamplerExecutor(ExecutorBase):
                 sampler: SamplerParams) -> np.ndarray:
         """Feed one token per row at position num_tokens; return the sampled next tokens [batch] int32."""
 
-
-class CancelledInBackend(Cancelled):
-    """The backend stopped inside a model call."""
-
-
-__all__ = ["ExecutorBase", "ExternalSamplerExecutor", "InternalSamplerExecutor", "SamplerParams", "LoraInUse",
-           "LitekvError", "Cancelled"]
