@@ -65,6 +65,7 @@ class _Storage:
     released: bool = False
     # Backend-owned bindings of these buffers (valid for the storage's lifetime: arrays never move).
     bindings: dict[Any, Any] = field(default_factory=dict)
+    pooled: bool = False  # a backend keeps these buffers alive after the cache dies (see LiteRT executor)
 
 
 class KVCache:
@@ -90,6 +91,12 @@ class KVCache:
                  else (batch_size, num_kv_heads, capacity, head_dim))
         return cls(_Storage([aligned_zeros(shape) for _ in range(num_layers)],
                             [aligned_zeros(shape) for _ in range(num_layers)], layout, next(_ids)))
+
+    @classmethod
+    def from_buffers(cls, keys: list[np.ndarray], values: list[np.ndarray], layout: str,
+                     bindings: dict[Any, Any] | None = None) -> "KVCache":
+        """A new, empty cache over existing buffers (recycled by a backend's memory pool)."""
+        return cls(_Storage(keys, values, layout, next(_ids), bindings=bindings or {}))
 
     # ---- shape ------------------------------------------------------------------------------------
     @property

@@ -388,3 +388,17 @@ def test_accelerator_delegate_matches_reference(backend, accelerator):
     ex.prefill(prompt(9), ours)
     ref.prefill(prompt(9), theirs)
     assert relative_error(ex.step([3], ours), ref.step([3], theirs)) < 1e-2  # GPU kernels may use fp16
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_caches_created_and_dropped_repeatedly_stay_correct(backend):
+    """Regression: LiteRT once read the freed memory of an earlier cache after it was dropped."""
+    ex, ref = get(backend), reference(ARCH)
+    for length in (4, 8, 5, 8, 13, 8):
+        tokens = prompt(length + 1, seed=length)
+        ours, theirs = ex.create_kv_cache(), ref.create_kv_cache()  # the previous `ours` dies here
+        ex.prefill(tokens[:-1], ours)
+        ref.prefill(tokens[:-1], theirs)
+        garbage = [np.full(4096, 7.0, np.float32) for _ in range(64)]  # reuse freed memory
+        assert relative_error(ex.step([tokens[-1]], ours), ref.step([tokens[-1]], theirs)) < 1e-4
+        del garbage

@@ -8,6 +8,7 @@ reads the smallest bucket that holds the live context.
 from __future__ import annotations
 
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,36 @@ class _SignatureIO:
             a["local_mask"][0, 0] = np.where(inside, np.float32(0), MASKED)
 
 
+class _KVMemoryPool:
+    """Keeps the memory of every KV cache LiteRT has run on alive, and reuses it for new caches.
+
+    A compiled model remembers buffers it has run with; after the memory of a dead cache was
+    freed, a later run on another cache was seen to read it (wrong logits, reproducibly). So a
+    cache's buffers, and their bindings, go back to this pool when the cache dies instead of
+    being freed: memory stays at the high-water mark of caches alive at once.
+    """
+
+    def __init__(self):
+        self._free: dict[tuple, list] = {}
+        self._lock = threading.Lock()
+
+    def adopt(self, kv_cache: KVCache) -> None:
+        storage = kv_cache._s
+        if not storage.pooled:
+            storage.pooled = True
+            weakref.finalize(storage, self._recycle, storage.keys, storage.values, storage.bindings)
+
+    def _recycle(self, keys, values, bindings) -> None:
+        if keys:  # a released cache gave its lists up already
+            with self._lock:
+                self._free.setdefault(keys[0].shape, []).append((keys, values, bindings))
+
+    def take(self, shape: tuple) -> tuple | None:
+        with self._lock:
+            free = self._free.get(shape)
+            return free.pop() if free else None
+
+
 class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
     backend = "litert"
     kv_layout = "BSHD"
@@ -92,10 +123,18 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
                                               sig.kind == "sample")
         self._lora_buffers: dict[int | None, dict[str, HostTensorBuffer]] = {}
         self._run_lock = threading.Lock()  # the signature IO buffers are shared by all caches
+        self._pool = _KVMemoryPool()
 
     def create_kv_cache(self, batch_size: int = 1) -> KVCache:
         cfg = self.config
-        return KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, self.max_context, "BSHD")
+        recycled = self._pool.take((batch_size, self.max_context, cfg.num_kv_heads, cfg.head_dim))
+        if recycled is not None:
+            cache = KVCache.from_buffers(*recycled[:2], "BSHD", recycled[2])
+        else:
+            cache = KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, self.max_context,
+                                     "BSHD")
+        self._pool.adopt(cache)
+        return cache
 
     # ---- binding ---------------------------------------------------------------------------------
     def _signature_name(self, kind: str, end: int, adapter: LoraAdapter | None, tokens: int = 1) -> str:
@@ -113,6 +152,7 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         # that ran it, so sharing one across signatures made the second read stale memory.
         key = (id(self), "kv", row, signature)
         if key not in kv_cache.bindings:
+            self._pool.adopt(kv_cache)  # caches made elsewhere (deep_copy, load) too
             buffers = {}
             for layer in range(self.config.num_layers):
                 buffers[f"kv_cache_k_{layer}"] = HostTensorBuffer(kv_cache.raw_keys(layer)[row:row + 1, :capacity])
