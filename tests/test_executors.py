@@ -228,6 +228,13 @@ def test_lora_rejects_mismatches(tmp_path):
         ex.load_lora(tmp_path / "mlp")
     with pytest.raises(LoraError, match="without LoRA inputs"):
         get("onnx").load_lora(tmp_path / "big")
+    write_peft_adapter(tmp_path / "shape", ex.config, rank=2, alpha=2, seed=1, targets=("v_proj",))
+    shaped = tmp_path / "shape" / "adapter_model.safetensors"
+    tensors = load_file(str(shaped))
+    tensors["base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"] = np.zeros((7, 2), np.float32)
+    save_file(tensors, str(shaped))
+    with pytest.raises(LoraError, match=r"layer 1 v has A \(2, 64\) and B \(7, 2\)"):
+        ex.load_lora(tmp_path / "shape")
 
 
 def test_unloading_an_adapter_in_use_is_refused(tmp_path):
