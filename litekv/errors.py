@@ -76,3 +76,7 @@ class BindingError(LitekvError, ValueError):
 
 class Cancelled(LitekvError):
     """The call was cancelled (e.g. ``cancel()`` from another thread) before it finished."""
+
+
+class SessionFormatError(LitekvError):
+    """A saved session is unreadable, damaged, from a newer litekv, or belongs to another model."""

@@ -1,0 +1,126 @@
+"""The SDK surface: Engine, Session and Conversation on scripted and converted tiny models."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from conformance import BACKENDS, bundle, checkpoint_dir, reference, relative_error
+from fake_executor import ScriptedExecutor
+from litekv import ContextFull, Engine, SamplerConfig
+from litekv.tokenizer import Tokenizer
+
+ARCH = "llama"
+
+
+def scripted_engine(text: str, delay: float = 0.0) -> Engine:
+    tokenizer = Tokenizer.from_hf_dir(checkpoint_dir(ARCH))
+    script = tokenizer.encode(text, add_special_tokens=False)
+    executor = ScriptedExecutor(script, tokenizer.vocab_size, delay=delay)
+    return Engine.from_executor(executor, tokenizer, "scripted")
+
+
+@pytest.mark.parametrize("text", ["Grüße 👋🏽 from 東京 — 🚀🔥", "naïve café ☕ 漢字かな交じり文 😀"])
+def test_streamed_text_concatenates_to_the_decoded_ids(text):
+    engine = scripted_engine(text)
+    session = engine.create_session()
+    session.prefill("Hello")
+    chunks = list(session.generate(max_new_tokens=len(engine.executor.script), ignore_eos=True))
+    ids = [c.token_id for c in chunks]
+    assert ids == engine.executor.script
+    assert "".join(c.text for c in chunks) == engine.tokenizer.decode(ids) == text
+    assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_stop_strings_and_eos_end_generation():
+    engine = scripted_engine("one two three<|im_end|> four")
+    session = engine.create_session()
+    session.prefill("x")
+    chunks = list(session.generate(max_new_tokens=50, stop=["two"]))
+    assert chunks[-1].finish_reason == "stop" and "two" in "".join(c.text for c in chunks)
+    session = engine.create_session()
+    engine.executor.steps = 0
+    assert session.generate_text("x", max_new_tokens=50) == "one two three"
+
+
+def test_cancel_from_another_thread_during_generate_leaves_the_session_usable():
+    engine = scripted_engine("a b c d e f g h i j k l m n o p", delay=0.01)
+    session = engine.create_session()
+    session.prefill("start")
+    timer = threading.Timer(0.05, session.cancel)
+    timer.start()
+    chunks = list(session.generate(max_new_tokens=100, ignore_eos=True))
+    timer.join()
+    assert chunks[-1].finish_reason == "cancelled" and len(chunks) < 100
+    kept = len(session.tokens)
+    assert session.kv_cache.num_tokens == kept - 1  # the cache holds every token but the pending one
+    more = list(session.generate(max_new_tokens=3, ignore_eos=True))
+    assert [c.finish_reason for c in more] == [None, None, "length"]
+    assert len(session.tokens) == kept + 3
+
+
+def test_context_full_is_raised_before_state_changes():
+    engine = scripted_engine("x y z")
+    session = engine.create_session()
+    session.prefill(list(range(3, 3 + engine.max_context - 1)))
+    before = session.tokens
+    with pytest.raises(ContextFull):
+        session.prefill([5, 6])
+    assert session.tokens == before and session.kv_cache.num_tokens == len(before) - 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_seeded_sampling_reproduces(backend):
+    engine = Engine(bundle(ARCH, backend))
+    sampler = SamplerConfig(temperature=0.9, top_k=30, top_p=0.9, seed=77)
+    runs = []
+    for _ in range(2):
+        session = engine.create_session(sampler)
+        session.prefill([5, 6, 7])
+        runs.append([c.token_id for c in session.generate(20, ignore_eos=True)])
+    assert runs[0] == runs[1] and len(set(runs[0])) > 3
+
+
+def test_same_seed_same_tokens_on_both_backends():
+    sampler = SamplerConfig(temperature=0.9, top_k=30, top_p=0.9, seed=5)
+    outs = []
+    for backend in BACKENDS:
+        session = Engine(bundle(ARCH, backend)).create_session(sampler)
+        session.prefill([5, 6, 7])
+        outs.append([c.token_id for c in session.generate(16, ignore_eos=True)])
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_score_equals_reference_log_softmax_across_a_bucket_change(backend):
+    engine = Engine(bundle(ARCH, backend))
+    session = engine.create_session()
+    context = list(np.random.default_rng(2).integers(3, 300, 10))
+    ids = list(np.random.default_rng(3).integers(3, 300, 12))  # positions 10..21 cross the 16-slot bucket
+    session.prefill(context)
+    scores = session.score(ids)
+    ref = reference(ARCH)
+    cache = ref.create_kv_cache()
+    ref.prefill(context, cache)
+    logits = np.stack([ref.step([t], cache)[0] for t in ids])
+    expected = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    assert scores.shape == (12, engine.config.vocab_size)
+    assert relative_error(scores, expected) < 1e-4
+    assert session.tokens == context + ids and session.kv_cache.num_tokens == 21
+
+
+def test_second_conversation_turn_prefills_only_the_new_turn():
+    engine = scripted_engine("Hi there!<|im_end|>")
+    chat = engine.create_conversation(system="You are terse.")
+    first = list(chat.send("Hello", max_new_tokens=20))
+    assert first[-1].finish_reason == "eos" and chat.messages[-1] == {"role": "assistant", "content": "Hi there!"}
+    after_first_turn = chat.session.tokens
+    assert chat.last_prefill == len(after_first_turn) - len(engine.executor.script)  # the whole first prompt
+    engine.executor.steps = 0
+    list(chat.send("And again?", max_new_tokens=20))
+    rendered = engine.tokenizer.apply_chat_template(chat.messages[:-1], add_generation_prompt=True)
+    assert rendered[:len(after_first_turn)] == after_first_turn  # the cached turn is reused as is
+    assert chat.last_prefill == len(rendered) - len(after_first_turn)
+    assert 0 < chat.last_prefill < len(after_first_turn)
