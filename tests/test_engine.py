@@ -124,3 +124,61 @@ def test_second_conversation_turn_prefills_only_the_new_turn():
     assert rendered[:len(after_first_turn)] == after_first_turn  # the cached turn is reused as is
     assert chat.last_prefill == len(rendered) - len(after_first_turn)
     assert 0 < chat.last_prefill < len(after_first_turn)
+
+
+# ---- session files ----------------------------------------------------------------------------------
+
+def greedy_continuation(session, steps=12):
+    return [c.token_id for c in session.generate(steps, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("saver, loader", [("litert", "litert"), ("onnx", "onnx"), ("litert", "onnx"),
+                                           ("onnx", "litert")])
+def test_save_load_continue_equals_uninterrupted(saver, loader, tmp_path):
+    source, target = Engine(bundle(ARCH, saver)), Engine(bundle(ARCH, loader))
+    assert source.fingerprint == target.fingerprint
+    session = source.create_session(SamplerConfig(temperature=0.8, top_k=20, seed=9))
+    session.prefill([5, 6, 7, 8, 9])
+    greedy_continuation(session, 4)
+    uninterrupted = session.clone()
+    session.save(tmp_path / "s.lkvs")
+    restored = target.load_session(tmp_path / "s.lkvs")
+    assert restored.tokens == session.tokens and restored.sampler == session.sampler
+    assert restored.kv_cache.num_tokens == session.kv_cache.num_tokens
+    assert greedy_continuation(restored) == greedy_continuation(uninterrupted)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "other_model", "future_version"])
+def test_corrupted_session_files_raise_and_the_engine_keeps_working(damage, tmp_path):
+    from litekv.errors import SessionFormatError
+    from litekv.flat_tables import build
+    from litekv.session_file import IDENTIFIER, SCHEMA
+
+    engine = Engine(bundle(ARCH, "onnx"))
+    session = engine.create_session()
+    session.prefill([5, 6, 7, 8])
+    path = tmp_path / "s.lkvs"
+    if damage == "other_model":
+        other = Engine(bundle("qwen3", "onnx")).create_session()
+        other.prefill([5, 6])
+        other.save(path)
+    else:
+        session.save(path)
+        data = bytearray(path.read_bytes())
+        if damage == "truncate":
+            for cut in (7, len(data) // 3, len(data) - 1):
+                path.write_bytes(bytes(data[:cut]))
+                with pytest.raises(SessionFormatError):
+                    engine.load_session(path)
+        elif damage == "flip":
+            for i in np.random.default_rng(0).integers(0, len(data), 25):
+                flipped = bytearray(data)
+                flipped[i] ^= 0x10
+                path.write_bytes(bytes(flipped))
+                with pytest.raises(SessionFormatError):
+                    engine.load_session(path)
+        else:
+            path.write_bytes(build(SCHEMA, {"version": 2}, IDENTIFIER))
+    with pytest.raises(SessionFormatError):
+        engine.load_session(path)
+    assert len(greedy_continuation(session, 3)) == 3  # the engine and the live session are unaffected
