@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from litekv.errors import LitekvError
+from litekv.errors import Cancelled, LitekvError
 
 
 def _engine(args: argparse.Namespace):
@@ -93,6 +93,8 @@ def _answer(chat, line: str, eos: str) -> None:
             sys.stdout.flush()
             if chunk.finish_reason == "cancelled":
                 sys.stdout.write(" [stopped]")
+    except Cancelled:  # Ctrl-C during the prompt's prefill
+        sys.stdout.write(" [stopped]")
     except LitekvError as e:  # e.g. a full context: report it and keep the chat open
         sys.stdout.write(f" [error: {e}]")
     finally:

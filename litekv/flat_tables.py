@@ -60,7 +60,7 @@ def build(fields: Sequence[Field], values: Mapping[str, Any], identifier: bytes)
 
 def parse(fields: Sequence[Field], data: bytes, identifier: bytes) -> dict[str, Any]:
     """Inverse of `build`; absent fields are None. Raises FlatTableError on malformed input."""
-    buf = bytearray(data) if not isinstance(data, bytearray) else data
+    buf = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else data  # no copy
     if len(buf) < 8:
         raise FlatTableError("too short to be a flatbuffer")
     if bytes(buf[4:8]) != identifier:
@@ -103,6 +103,6 @@ def parse(fields: Sequence[Field], data: bytes, identifier: bytes) -> dict[str, 
     return out
 
 
-def _check_range(buf: bytearray, start: int, size: int) -> None:
+def _check_range(buf, start: int, size: int) -> None:
     if start < 0 or size < 0 or start + size > len(buf):
         raise FlatTableError("an offset points outside the data (truncated or corrupted)")

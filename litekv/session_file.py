@@ -4,7 +4,7 @@ Format: litekv/schema/session.fbs. Everything is validated before a `SessionStat
 """
 from __future__ import annotations
 
-import hashlib
+import zlib
 import struct
 import time
 from dataclasses import dataclass, field
@@ -50,7 +50,7 @@ class SessionState:
     fingerprint: str
     backend: str
     tokens: tuple[int, ...]  # an int array is accepted and stored as a tuple (immutable, comparable)
-    kv_cache: bytes  # exactly KVCache.serialize(); restore it with KVCache.load
+    kv_cache: bytes | memoryview  # exactly KVCache.serialize(); restore it with KVCache.load
     sampler: SamplerState
     lora_name: str | None = None
     created_unix: float = field(default_factory=time.time)
@@ -58,7 +58,8 @@ class SessionState:
     def __post_init__(self) -> None:
         tokens = self.tokens.tolist() if isinstance(self.tokens, np.ndarray) else self.tokens
         object.__setattr__(self, "tokens", tuple(int(t) for t in tokens))
-        object.__setattr__(self, "kv_cache", bytes(self.kv_cache))
+        if not isinstance(self.kv_cache, (bytes, memoryview)):  # e.g. a view into a decoded file: no copy
+            object.__setattr__(self, "kv_cache", memoryview(np.ascontiguousarray(self.kv_cache)).cast("B"))
 
 
 def encode_session(state: SessionState) -> bytes:
@@ -105,7 +106,7 @@ def read_session(path: str | Path, expected_fingerprint: str | None = None) -> S
 
 
 def _decode(data: bytes, expected_fingerprint: str | None, where: str) -> SessionState:
-    buf = bytearray(data)
+    buf = memoryview(data).cast("B")
     try:
         f = parse(SCHEMA, buf, IDENTIFIER)
     except (FlatTableError, struct.error) as e:  # struct.error: defence in depth against odd vtables
@@ -143,7 +144,7 @@ def _check_contents(fingerprint: str, tokens: np.ndarray, kv_blob: np.ndarray, e
         raise SessionFormatError(f"{where}: negative token ids.")
     # Only the header matters here; KVCache.load checks shapes again when the caller restores it.
     try:
-        header = parse(kv_cache.SCHEMA, bytearray(kv_blob), kv_cache.IDENTIFIER)
+        header = parse(kv_cache.SCHEMA, kv_blob, kv_cache.IDENTIFIER)
     except (FlatTableError, struct.error) as e:
         raise SessionFormatError(f"{where}: the embedded KV cache is not a serialized litekv KV cache ({e}).") from e
     kv_tokens = header["num_tokens"]
@@ -161,9 +162,13 @@ def _checksum_position(buf: bytearray) -> int:
 
 
 def _checksum(buf: bytearray, position: int) -> int:
-    """blake2b-64 of the whole buffer with the checksum's own 8 bytes read as zero."""
+    """CRC-32 of the whole buffer with the checksum's own 8 bytes read as zero.
+
+    CRC-32 catches every burst error up to 32 bits at several GB/s (blake2b was 5x slower and
+    made loading a session cost a sizeable part of re-prefilling it); it guards against damage,
+    not tampering.
+    """
     view = memoryview(buf)
-    digest = hashlib.blake2b(view[:position], digest_size=8)
-    digest.update(bytes(8))
-    digest.update(view[position + 8:])
-    return int.from_bytes(digest.digest(), "little")
+    crc = zlib.crc32(view[:position])
+    crc = zlib.crc32(bytes(8), crc)
+    return zlib.crc32(view[position + 8:], crc)

@@ -44,9 +44,11 @@ def test_chat_streams_survives_ctrl_c_and_saves_and_loads(tmp_path):
     child.expect("litekv chat:")
     child.expect("> ")
     child.sendline("What is the capital of France?")
+    child.expect("France\\?\r\n")
     child.expect("Paris")
     child.expect("\n> ")
     child.sendline("Write a very long story about a dragon who learns to bake bread, with many chapters.")
+    child.expect("many chapters.\r\n")  # the terminal's echo of the question
     child.expect(r"\w+ \w+ \w+ \w+")  # the answer is streaming
     child.sendintr()  # Ctrl-C in the middle of the answer
     child.expect(r"\[stopped\]")

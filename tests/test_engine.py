@@ -182,3 +182,42 @@ def test_corrupted_session_files_raise_and_the_engine_keeps_working(damage, tmp_
     with pytest.raises(SessionFormatError):
         engine.load_session(path)
     assert len(greedy_continuation(session, 3)) == 3  # the engine and the live session are unaffected
+
+
+def test_reference_engine_runs_a_raw_checkpoint_like_a_bundle():
+    raw, converted = Engine(checkpoint_dir(ARCH), backend="reference"), Engine(bundle(ARCH, "onnx"))
+    assert raw.backend == "numpy" and raw.fingerprint == converted.fingerprint
+    outs = []
+    for engine in (raw, converted):
+        session = engine.create_session()
+        outs.append(session.generate_text([5, 6, 7, 8], max_new_tokens=10, ignore_eos=True))
+    assert outs[0] == outs[1]
+    with pytest.raises(Exception, match="not a converted bundle"):
+        Engine(checkpoint_dir(ARCH))
+
+
+def test_rewind_and_clone():
+    engine = Engine(bundle(ARCH, "litert"))
+    session = engine.create_session()
+    session.prefill([5, 6, 7, 8, 9])
+    branch = session.clone()
+    first = greedy_continuation(session, 6)
+    session.rewind(6)
+    assert session.tokens == [5, 6, 7, 8, 9] and session.kv_cache.num_tokens == 4
+    assert greedy_continuation(session, 6) == first == greedy_continuation(branch, 6)
+    assert branch.kv_cache.cache_id != session.kv_cache.cache_id
+
+
+def test_lora_adapters_by_name(tmp_path):
+    from test_executors import write_peft_adapter
+
+    engine = Engine(bundle(ARCH, "onnx", lora_rank=4))
+    write_peft_adapter(tmp_path / "style", engine.config, rank=4, alpha=8, seed=4)
+    name = engine.load_lora(tmp_path / "style")
+    plain, styled = engine.create_session(), engine.create_session(lora=name)
+    for s in (plain, styled):
+        s.prefill([5, 6, 7])
+    assert greedy_continuation(plain, 8) != greedy_continuation(styled, 8)
+    engine.unload_lora(name)
+    with pytest.raises(Exception, match="no adapter named"):
+        engine.create_session(lora=name)
