@@ -64,6 +64,7 @@ class ExecutorBase(ABC):
         self.lora_rank = lora_rank
         self.lora_targets = tuple(lora_targets)
         self._adapters: dict[int, LoraAdapter] = {}
+        self._prepared: dict[int, object] = {}  # backend-ready inputs of each adapter
         self._adapters_in_use: dict[int, int] = {}
         self._next_lora_id = 1
         self._lock = threading.Lock()
@@ -129,11 +130,24 @@ class ExecutorBase(ABC):
             raise LoraError("this model was converted without LoRA inputs; reconvert it with --lora-rank R.")
         if not isinstance(adapter, LoraAdapter):
             adapter = load_peft_adapter(adapter, self.config, self.lora_rank, self.lora_targets, name)
+        prepared = self._prepare_adapter(adapter)
         with self._lock:
             lora_id = self._next_lora_id
             self._next_lora_id += 1
             self._adapters[lora_id] = adapter
+            self._prepared[lora_id] = prepared
         return lora_id
+
+    def _prepare_adapter(self, adapter: LoraAdapter | None) -> object:
+        """Backend hook: turn an adapter (None = no adapter) into the model's LoRA inputs, once."""
+        return None
+
+    def _prepared_inputs(self, adapter: LoraAdapter | None) -> tuple[int | None, object]:
+        """(lora_id, prepared inputs) of an adapter handed to a hook."""
+        if adapter is None:
+            return None, None
+        lora_id = next(i for i, a in self._adapters.items() if a is adapter)
+        return lora_id, self._prepared[lora_id]
 
     def unload_lora(self, lora_id: int) -> None:
         with self._lock:
@@ -142,6 +156,7 @@ class ExecutorBase(ABC):
             if self._adapters_in_use.get(lora_id):
                 raise LoraInUse(f"adapter {lora_id} is used by a running call; unload it after the call returns.")
             del self._adapters[lora_id]
+            self._prepared.pop(lora_id, None)
 
     # ---- cancellation -------------------------------------------------------------------------------
     def cancel(self) -> None:

@@ -121,7 +121,6 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         for sig in manifest.signatures:
             self._io[sig.name] = _SignatureIO(sig.name, sig.tokens, sig.capacity, cfg.vocab_size, self._sliding,
                                               sig.kind == "sample")
-        self._lora_buffers: dict[int | None, dict[str, HostTensorBuffer]] = {}
         self._run_lock = threading.Lock()  # the signature IO buffers are shared by all caches
         self._pool = _KVMemoryPool()
 
@@ -160,7 +159,7 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             kv_cache.bindings[key] = buffers
         return kv_cache.bindings[key]
 
-    def _lora_inputs(self, adapter: LoraAdapter | None) -> dict[str, HostTensorBuffer]:
+    def _prepare_adapter(self, adapter: LoraAdapter | None) -> dict[str, HostTensorBuffer]:
         if self.lora_rank is None:
             return {}
         buffers = {}
@@ -171,23 +170,13 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             buffers[name] = HostTensorBuffer(aligned)
         return buffers
 
-    def load_lora(self, adapter, name: str | None = None) -> int:
-        lora_id = super().load_lora(adapter, name)
-        self._lora_buffers[lora_id] = self._lora_inputs(self._adapters[lora_id])
-        return lora_id
-
-    def unload_lora(self, lora_id: int) -> None:
-        super().unload_lora(lora_id)
-        self._lora_buffers.pop(lora_id, None)
-
     def _bound_run(self, name: str, kv_cache: KVCache, row: int, adapter: LoraAdapter | None):
         io = self._io[name]
-        lora_id = next((i for i, a in self._adapters.items() if a is adapter), None) if adapter else None
+        lora_id, lora = self._prepared_inputs(adapter)
         key = (id(self), "run", name, row, lora_id)
         if key not in kv_cache.bindings:
             kv = self._kv_buffers(kv_cache, row, name, io.capacity)
-            lora = self._lora_buffers[lora_id] if adapter is not None else {}
-            inputs = {**{k: io.buffers[k] for k in io.arrays}, **kv, **lora}
+            inputs = {**{k: io.buffers[k] for k in io.arrays}, **kv, **(lora or {})}
             outputs = {**{k: io.buffers[k] for k in io.outputs}, **kv}
             kv_cache.bindings[key] = self.model.bind(name, inputs, outputs)
         return io, kv_cache.bindings[key]

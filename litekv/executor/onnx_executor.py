@@ -83,7 +83,7 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         self._run_options = ort.RunOptions()
         self._options_lock = threading.Lock()
         self.manifest = manifest
-        self._lora_cache: dict[int | None, dict[str, np.ndarray]] = {None: self._lora_arrays(None)}
+        self._no_adapter = self._prepare_adapter(None)  # zeros for a LoRA-ready graph without an adapter
 
     # ---- caches and bindings -------------------------------------------------------------------
     def create_kv_cache(self, batch_size: int = 1) -> KVCache:
@@ -97,24 +97,15 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             kv_cache.bindings[key] = _RowBinding(self, kv_cache, row)
         return kv_cache.bindings[key]
 
-    def _lora_arrays(self, adapter: LoraAdapter | None) -> dict[str, np.ndarray]:
+    def _prepare_adapter(self, adapter: LoraAdapter | None) -> dict[str, np.ndarray]:
         if self.lora_rank is None:
             return {}
         return lora_inputs(adapter, self.config, self.manifest.lora_groups, self.lora_rank, self.manifest.lora_layout)
 
-    def load_lora(self, adapter, name: str | None = None) -> int:
-        lora_id = super().load_lora(adapter, name)
-        self._lora_cache[lora_id] = self._lora_arrays(self._adapters[lora_id])
-        return lora_id
-
-    def unload_lora(self, lora_id: int) -> None:
-        super().unload_lora(lora_id)
-        self._lora_cache.pop(lora_id, None)
-
     def _run(self, tokens: np.ndarray, start: int, kv_cache: KVCache, row: int, adapter: LoraAdapter | None):
         binding = self._binding(kv_cache, row)
-        lora_id = next((i for i, a in self._adapters.items() if a is adapter), None) if adapter else None
-        binding.prepare(tokens, start, lora_id)
+        lora_id, lora = self._prepared_inputs(adapter)
+        binding.prepare(tokens, start, lora_id, self._no_adapter if lora is None else lora)
         try:
             self.session.run_with_iobinding(binding.io, self._run_options)
         except Exception as e:
@@ -191,7 +182,7 @@ class _RowBinding:
         self.io.bind_ortvalue_input(name, value)
         self.keep[name] = value
 
-    def prepare(self, tokens: np.ndarray, start: int, lora_id: int | None) -> None:
+    def prepare(self, tokens: np.ndarray, start: int, lora_id: int | None, lora: dict[str, np.ndarray]) -> None:
         steps = len(tokens)
         if steps != self.steps:
             self.tokens, self.positions = np.zeros((1, steps), np.int32), np.zeros(steps, np.int32)
@@ -203,6 +194,6 @@ class _RowBinding:
         self.seqlens[0] = start + steps - 1
         self.total[...] = start + steps
         if lora_id != self.lora_id:
-            for name, array in self.executor._lora_cache[lora_id].items():
+            for name, array in lora.items():
                 self._bind(name, array)
             self.lora_id = lora_id
