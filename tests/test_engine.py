@@ -221,3 +221,36 @@ def test_lora_adapters_by_name(tmp_path):
     engine.unload_lora(name)
     with pytest.raises(Exception, match="no adapter named"):
         engine.create_session(lora=name)
+
+
+def test_convert_function_makes_a_working_bundle(tmp_path):
+    import litekv
+
+    path = litekv.convert(checkpoint_dir("qwen2"), tmp_path / "b", backend="onnx", quantize="int8", max_context=64,
+                          prefill_lengths=(8,))
+    engine = litekv.Engine(path)
+    assert engine.backend == "onnx" and engine.config.architecture == "qwen2"
+    assert len(engine.create_session().generate_text([4, 5, 6], max_new_tokens=4, ignore_eos=True)) > 0
+
+
+def test_repetition_penalty_matches_transformers():
+    torch = pytest.importorskip("torch")
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from litekv.engine import apply_repetition_penalty
+
+    logits = np.random.default_rng(0).standard_normal(50).astype(np.float32) * 3
+    context = [3, 7, 7, 12, 49]
+    theirs = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([context]), torch.tensor(logits[None]))[0].numpy()
+    np.testing.assert_allclose(apply_repetition_penalty(logits, context, 1.3), theirs, rtol=1e-6)
+
+
+def test_repetition_penalty_sampling_is_seeded_and_differs_from_plain():
+    engine = Engine(bundle(ARCH, "onnx"))
+    outs = []
+    for penalty in (1.0, 2.0, 2.0):
+        session = engine.create_session(SamplerConfig(repetition_penalty=penalty))
+        session.prefill([5, 6, 7])
+        outs.append(greedy_continuation(session, 24))
+    assert outs[1] == outs[2] and outs[0] != outs[1]
+    assert len(set(outs[1])) >= len(set(outs[0]))
