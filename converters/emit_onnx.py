@@ -89,6 +89,18 @@ class OnnxOps(GraphOps):
         return self._node({"tanh": "Tanh", "sigmoid": "Sigmoid", "exp": "Exp", "neg": "Neg",
                            "floor": "Floor"}[op], [x], x.shape, x.dtype)
 
+    def rms_norm(self, x: Sym, name: str, eps: float) -> Sym:
+        """One SimplifiedLayerNormalization node (ORT's fused RMSNorm) instead of seven elementwise ones."""
+        scale = self._initializer(np.asarray(self.weights[f"{name}.weight"], np.float32), name)
+        return self._node("SimplifiedLayerNormalization", [x, scale], x.shape, axis=-1, epsilon=float(eps),
+                          stash_type=1)
+
+    def rope(self, x: Sym, rope) -> Sym:
+        """Deferred: GroupQueryAttention applies it (do_rotary) from cos/sin tables by position."""
+        if x.shape[-1] % 16:  # the fused kernel's requirement; otherwise compute it with plain ops
+            return super().rope(x, rope)
+        return Sym(x.ref, x.shape, x.dtype, rotary=rope)
+
     def mean_last(self, x: Sym) -> Sym:
         return self._node("ReduceMean", [x, self._ints([-1])], (*x.shape[:-1], 1), keepdims=1)
 
@@ -151,8 +163,9 @@ class OnnxOps(GraphOps):
         return self._node("MatMul", [x, self._initializer(np.ascontiguousarray(w.T), weight)], shape)
 
     def matmul_const(self, x: Sym, name: str, w: np.ndarray) -> Sym:
-        return self._node("MatMul", [x, self._initializer(np.ascontiguousarray(w.T, np.float32), name)],
-                          (*x.shape[:-1], w.shape[0]))
+        if name not in self._weights:  # stored once, however many projections share it
+            self._weights[name] = self._initializer(np.ascontiguousarray(w.T, np.float32), name)
+        return self._node("MatMul", [x, self._weights[name]], (*x.shape[:-1], w.shape[0]))
 
     def matmul_input(self, x: Sym, w: Sym) -> Sym:
         return self._node("MatMul", [x, w], (*x.shape[:-1], w.shape[1]))
@@ -213,15 +226,26 @@ class OnnxOps(GraphOps):
         kv_shape = (1, cfg.num_kv_heads, self.capacity, cfg.head_dim)
         past_k = self.input(f"past_key_{layer}", kv_shape)
         past_v = self.input(f"past_value_{layer}", kv_shape)
-        flat = [self.reshape(x, (1, T_DIM, x.shape[2] * x.shape[3])) for x in (q, k, v)]
+        rotary = q.rotary
+        flat = [self.reshape(Sym(x.ref, x.shape), (1, T_DIM, x.shape[2] * x.shape[3])) for x in (q, k, v)]
+        inputs = [*(f.ref for f in flat), past_k.ref, past_v.ref, self.seqlens.ref, self.total.ref]
+        if rotary is not None:  # positions come from seqlens_k: the chunk sits right after the cache
+            inputs += list(self._rotary_cache(rotary))
         out, present_k, present_v = (self._name("attn"), f"present_key_{layer}", f"present_value_{layer}")
         self.nodes.append(helper.make_node(
-            "GroupQueryAttention", [*(f.ref for f in flat), past_k.ref, past_v.ref, self.seqlens.ref, self.total.ref],
-            [out, present_k, present_v], domain="com.microsoft", num_heads=cfg.num_heads,
-            kv_num_heads=cfg.num_kv_heads, scale=float(scale), local_window_size=window if window else -1))
+            "GroupQueryAttention", inputs, [out, present_k, present_v], domain="com.microsoft",
+            num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads, scale=float(scale),
+            local_window_size=window if window else -1, do_rotary=int(rotary is not None), rotary_interleaved=0))
         for name in (present_k, present_v):
             self.outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, list(kv_shape)))
         return Sym(out, (1, T_DIM, cfg.num_heads * cfg.head_dim))
+
+    def _rotary_cache(self, rope) -> tuple[str, str]:
+        key = f"rotary:{rope}"
+        if key not in self._weights:
+            cos, sin = self.rope_tables[rope]
+            self._weights[key] = (self._initializer(cos, "cos_cache"), self._initializer(sin, "sin_cache"))
+        return self._weights[key]
 
     def finish(self, logits: Sym) -> onnx.ModelProto:
         self.output("logits", logits)

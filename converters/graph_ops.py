@@ -26,6 +26,7 @@ class Sym:
     ref: Any
     shape: tuple[int, ...]
     dtype: str = "float32"
+    rotary: RopeConfig | None = None  # RoPE an emitter deferred into its attention kernel
 
     @property
     def rank(self) -> int:

@@ -93,7 +93,7 @@ def test_quantized_agreement_and_coherent_answer(backend, quantize, target, reco
     print(f"{backend} {quantize}: top-1 agreement with fp32 reference over 200 positions = {agreement:.1%}")
     assert agreement >= target
     for question, expected in COHERENCE:
-        answer = checkpoint().tokenizer.decode(greedy(ex, chat_ids(question), 20))
+        answer = checkpoint().tokenizer.decode(greedy(ex, chat_ids(question), 48))
         print(f"  {question} -> {answer!r}")
         assert expected in answer
 
