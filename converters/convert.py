@@ -183,19 +183,29 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
     else:
         import onnx
 
-        from .emit_onnx import emit_onnx, emit_onnx_sampler
+        from .emit_onnx import emit_onnx, emit_onnx_sampler, share_external_data
 
-        model, groups = emit_onnx(cfg, ckpt.weights, plan, options.lora, options.max_context)
+        # The plain graph always; a LoRA-ready bundle adds a LoRA graph over the same weight file, so
+        # running without an adapter costs exactly what a model converted without LoRA costs.
+        model, _ = emit_onnx(cfg, ckpt.weights, plan, None, options.max_context)
         bar.stage("tracing graph")(1, 1, f"{len(model.graph.node)} nodes")
         onnx.save_model(model, str(staging / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
                         location="model.onnx.data", size_threshold=1024)
+        graphs = [("model", model, False)]
+        groups = {}
+        if options.lora is not None:
+            lora_model, groups = emit_onnx(cfg, ckpt.weights, plan, options.lora, options.max_context)
+            share_external_data(lora_model, str(staging / "model.onnx"))
+            onnx.save_model(lora_model, str(staging / "model_lora.onnx"))
+            graphs.append(("model_lora", lora_model, True))
         sampler_file = None
         if options.sampler:
             onnx.save_model(emit_onnx_sampler(cfg), str(staging / "sampler.onnx"))
             sampler_file = "sampler.onnx"
         bar.stage("writing model.onnx")(1, 1, "")
-        infos = (SignatureInfo("model", "step", -1, options.max_context, options.lora_rank is not None,
-                               tuple(i.name for i in model.graph.input), tuple(o.name for o in model.graph.output)),)
+        infos = tuple(SignatureInfo(name, "step", -1, options.max_context, lora,
+                                    tuple(i.name for i in g.graph.input), tuple(o.name for o in g.graph.output))
+                      for name, g, lora in graphs)
         model_file, layout, lora_layout = "model.onnx", "BHSD", "in_out"
     tok = ckpt.tokenizer
     return Manifest(

@@ -60,6 +60,14 @@ class OnnxOps(GraphOps):
         self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
 
+    def _weight(self, name: str, make) -> str:
+        """A weight initializer named exactly `name`, created once: the plain and the LoRA graph of a
+        bundle name their weights alike, so both read them from one external data file."""
+        if name not in self._weights:
+            self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(make()), name))
+            self._weights[name] = name
+        return self._weights[name]
+
     def _ints(self, values: Sequence[int]) -> Sym:
         arr = np.asarray(values, np.int64)
         return Sym(self._initializer(arr, "i64"), arr.shape, "int64")
@@ -91,7 +99,7 @@ class OnnxOps(GraphOps):
 
     def rms_norm(self, x: Sym, name: str, eps: float) -> Sym:
         """One SimplifiedLayerNormalization node (ORT's fused RMSNorm) instead of seven elementwise ones."""
-        scale = self._initializer(np.asarray(self.weights[f"{name}.weight"], np.float32), name)
+        scale = self._weight(f"{name}.weight", lambda: np.asarray(self.weights[f"{name}.weight"], np.float32))
         return self._node("SimplifiedLayerNormalization", [x, scale], x.shape, axis=-1, epsilon=float(eps),
                           stash_type=1)
 
@@ -130,10 +138,9 @@ class OnnxOps(GraphOps):
 
     def gather_rows(self, table: str | np.ndarray, indices: Sym) -> Sym:
         if isinstance(table, str):
-            if table not in self._weights:
-                dtype = np.float16 if self.plan.embedding == "fp16" else np.float32
-                self._weights[table] = self._initializer(np.asarray(self.weights[table], dtype), table)
-            params, width, half = self._weights[table], self.weights[table].shape[1], self.plan.embedding == "fp16"
+            dtype = np.float16 if self.plan.embedding == "fp16" else np.float32
+            params = self._weight(table, lambda: np.asarray(self.weights[table], dtype))
+            width, half = self.weights[table].shape[1], self.plan.embedding == "fp16"
         else:
             params, width, half = self._initializer(np.asarray(table, np.float32), "table"), table.shape[1], False
         out = self._node("Gather", [params, indices], (*indices.shape, width), axis=0)
@@ -148,24 +155,23 @@ class OnnxOps(GraphOps):
             n_blocks = in_dim // self.plan.block_size
             nibbles = (q.astype(np.int16) + 8).astype(np.uint8).reshape(out_dim, n_blocks, self.plan.block_size)
             packed = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
-            return self._node("MatMulNBits", [x, self._initializer(packed, weight),
-                                              self._initializer(scales.astype(np.float32), weight + ".scales")],
+            return self._node("MatMulNBits", [x, self._weight(weight, lambda: packed),
+                                              self._weight(weight + ".scales", lambda: scales.astype(np.float32))],
                               shape, domain="com.microsoft", K=in_dim, N=out_dim, bits=4,
                               block_size=self.plan.block_size, accuracy_level=4)
         w = self.stacked(parts)
         if fmt == "int8":
             q, scales = int8_per_channel(w)
-            deq = self._node("DequantizeLinear", [self._initializer(np.ascontiguousarray(q.T), weight),
-                                                  self._initializer(scales, weight + ".scales"),
-                                                  self._initializer(np.zeros(out_dim, np.int8), weight + ".zp")],
+            deq = self._node("DequantizeLinear", [self._weight(weight, lambda: q.T),
+                                                  self._weight(weight + ".scales", lambda: scales),
+                                                  self._weight(weight + ".zp", lambda: np.zeros(out_dim, np.int8))],
                              (in_dim, out_dim), axis=1)
             return self._node("MatMul", [x, deq], shape)
-        return self._node("MatMul", [x, self._initializer(np.ascontiguousarray(w.T), weight)], shape)
+        return self._node("MatMul", [x, self._weight(weight, lambda: w.T)], shape)
 
     def matmul_const(self, x: Sym, name: str, w: np.ndarray) -> Sym:
-        if name not in self._weights:  # stored once, however many projections share it
-            self._weights[name] = self._initializer(np.ascontiguousarray(w.T, np.float32), name)
-        return self._node("MatMul", [x, self._weights[name]], (*x.shape[:-1], w.shape[0]))
+        return self._node("MatMul", [x, self._weight(name, lambda: np.asarray(w.T, np.float32))],
+                          (*x.shape[:-1], w.shape[0]))
 
     def matmul_input(self, x: Sym, w: Sym) -> Sym:
         return self._node("MatMul", [x, w], (*x.shape[:-1], w.shape[1]))
@@ -241,11 +247,9 @@ class OnnxOps(GraphOps):
         return Sym(out, (1, T_DIM, cfg.num_heads * cfg.head_dim))
 
     def _rotary_cache(self, rope) -> tuple[str, str]:
-        key = f"rotary:{rope}"
-        if key not in self._weights:
-            cos, sin = self.rope_tables[rope]
-            self._weights[key] = (self._initializer(cos, "cos_cache"), self._initializer(sin, "sin_cache"))
-        return self._weights[key]
+        cos, sin = self.rope_tables[rope]
+        tag = f"{rope.kind}_{rope.theta:g}_{rope.factor:g}"
+        return self._weight(f"rope_cos_{tag}", lambda: cos), self._weight(f"rope_sin_{tag}", lambda: sin)
 
     def finish(self, logits: Sym) -> onnx.ModelProto:
         self.output("logits", logits)
@@ -256,6 +260,23 @@ class OnnxOps(GraphOps):
                                   producer_name="litekv")
         model.ir_version = IR_VERSION
         return model
+
+
+def share_external_data(model: onnx.ModelProto, saved_path: str) -> int:
+    """Point `model`'s initializers at the identical ones already saved as external data of
+    `saved_path`, instead of storing them again; returns how many were shared."""
+    saved = onnx.load_model(saved_path, load_external_data=False)
+    external = {t.name: t for t in saved.graph.initializer if t.data_location == TensorProto.EXTERNAL}
+    shared = 0
+    for tensor in model.graph.initializer:
+        twin = external.get(tensor.name)
+        if twin is not None and list(twin.dims) == list(tensor.dims) and twin.data_type == tensor.data_type:
+            tensor.ClearField("raw_data")
+            tensor.data_location = TensorProto.EXTERNAL
+            del tensor.external_data[:]
+            tensor.external_data.extend(twin.external_data)
+            shared += 1
+    return shared
 
 
 def _broadcast(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:

@@ -71,6 +71,8 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         bundle = Path(bundle)
+        self._bundle, self._options, self._providers = bundle, options, providers
+        self._lora_session = None  # the LoRA graph, opened when the first adapter is loaded
         try:
             self.session = ort.InferenceSession(str(bundle / manifest.model_file), options, providers=providers)
             self.sampler = (ort.InferenceSession(str(bundle / manifest.sampler_file), options, providers=providers)
@@ -83,31 +85,37 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         self._run_options = ort.RunOptions()
         self._options_lock = threading.Lock()
         self.manifest = manifest
-        self._no_adapter = self._prepare_adapter(None)  # zeros for a LoRA-ready graph without an adapter
 
     # ---- caches and bindings -------------------------------------------------------------------
     def create_kv_cache(self, batch_size: int = 1) -> KVCache:
         cfg = self.config
         return KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, self.max_context, "BHSD")
 
-    def _binding(self, kv_cache: KVCache, row: int) -> "_RowBinding":
-        """IO binding of one batch row, with its K/V bound in place (memoized on the cache)."""
-        key = (id(self), row)
+    def _binding(self, kv_cache: KVCache, row: int, session) -> "_RowBinding":
+        """IO binding of one batch row for one graph, with its K/V bound in place (memoized on the cache)."""
+        key = (id(self), row, id(session))
         if key not in kv_cache.bindings:
-            kv_cache.bindings[key] = _RowBinding(self, kv_cache, row)
+            kv_cache.bindings[key] = _RowBinding(self, session, kv_cache, row)
         return kv_cache.bindings[key]
 
     def _prepare_adapter(self, adapter: LoraAdapter | None) -> dict[str, np.ndarray]:
-        if self.lora_rank is None:
+        if adapter is None or self.lora_rank is None:
             return {}
+        if self._lora_session is None:
+            path = self._bundle / "model_lora.onnx"
+            try:
+                self._lora_session = self._ort.InferenceSession(str(path), self._options, providers=self._providers)
+            except Exception as e:
+                raise BackendError(f"onnxruntime could not load {path}: {e}") from e
         return lora_inputs(adapter, self.config, self.manifest.lora_groups, self.lora_rank, self.manifest.lora_layout)
 
     def _run(self, tokens: np.ndarray, start: int, kv_cache: KVCache, row: int, adapter: LoraAdapter | None):
-        binding = self._binding(kv_cache, row)
         lora_id, lora = self._prepared_inputs(adapter)
-        binding.prepare(tokens, start, lora_id, self._no_adapter if lora is None else lora)
+        session = self.session if adapter is None else self._lora_session
+        binding = self._binding(kv_cache, row, session)
+        binding.prepare(tokens, start, lora_id, lora or {})
         try:
-            self.session.run_with_iobinding(binding.io, self._run_options)
+            session.run_with_iobinding(binding.io, self._run_options)
         except Exception as e:
             if "terminate flag" in str(e):
                 raise Cancelled("onnx call cancelled inside the model run.") from e
@@ -156,10 +164,10 @@ class _RowBinding:
     """Everything bound for one cache row. Inputs are numpy arrays bound once and rewritten in
     place each call, so a decode step binds nothing; only a new chunk length or adapter rebinds."""
 
-    def __init__(self, executor: OnnxExecutor, kv_cache: KVCache, row: int):
+    def __init__(self, executor: OnnxExecutor, session, kv_cache: KVCache, row: int):
         ort = executor._ort
         self.executor = executor
-        self.io = executor.session.io_binding()
+        self.io = session.io_binding()
         self.keep: dict[str, object] = {}  # bound OrtValues must outlive the binding
         for layer in range(executor.config.num_layers):
             for kind, buf in (("key", kv_cache.raw_keys(layer)), ("value", kv_cache.raw_values(layer))):
