@@ -167,6 +167,7 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions = Co
 def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Manifest:
     cfg, plan = ckpt.config, options.plan
     if options.backend == "litert":
+        from .emit_tflite import LORA_LAYOUT as TFLITE_LORA_LAYOUT
         from .emit_tflite import emit_tflite
 
         sigs = tflite_signatures(options)
@@ -179,10 +180,11 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
                                                                          else "prefill"),
                                     s.tokens, s.capacity, s.lora, tuple(sg.inputs), tuple(sg.outputs))
                       for s, sg in zip(sigs, writer.subgraphs))
-        model_file, layout, sampler_file, lora_layout = "model.tflite", "BSHD", None, "out_in"
+        model_file, layout, sampler_file, lora_layout = "model.tflite", "BSHD", None, TFLITE_LORA_LAYOUT
     else:
         import onnx
 
+        from .emit_onnx import LORA_LAYOUT as ONNX_LORA_LAYOUT
         from .emit_onnx import emit_onnx, emit_onnx_sampler, share_external_data
 
         # The plain graph always; a LoRA-ready bundle adds a LoRA graph over the same weight file, so
@@ -206,7 +208,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         infos = tuple(SignatureInfo(name, "step", -1, options.max_context, lora,
                                     tuple(i.name for i in g.graph.input), tuple(o.name for o in g.graph.output))
                       for name, g, lora in graphs)
-        model_file, layout, lora_layout = "model.onnx", "BHSD", "in_out"
+        model_file, layout, lora_layout = "model.onnx", "BHSD", ONNX_LORA_LAYOUT
     tok = ckpt.tokenizer
     return Manifest(
         backend=options.backend, model_file=model_file, config=cfg, max_context=options.max_context,

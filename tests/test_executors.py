@@ -409,3 +409,17 @@ def test_caches_created_and_dropped_repeatedly_stay_correct(backend):
         garbage = [np.full(4096, 7.0, np.float32) for _ in range(64)]  # reuse freed memory
         assert relative_error(ex.step([tokens[-1]], ours), ref.step([tokens[-1]], theirs)) < 1e-4
         del garbage
+
+
+def test_bundle_without_in_graph_sampler_samples_on_the_host(tmp_path):
+    from litekv.converters.convert import ConvertOptions, convert
+    from litekv.executor import open_executor
+
+    options = ConvertOptions(backend="onnx", max_context=64, prefill_lengths=(8,), sampler=False)
+    ex = open_executor(convert(checkpoint_dir(ARCH), tmp_path / "b", options))
+    sampler = SamplerParams(temperature=0.8, top_k=40, top_p=0.95, seed=1234)
+    ours, theirs = ex.create_kv_cache(), reference(ARCH).create_kv_cache()
+    ex.prefill(prompt(6), ours)
+    reference(ARCH).prefill(prompt(6), theirs)
+    assert ex.sample_tokens(10, [7], ours, sampler=sampler).tolist() == \
+        reference(ARCH).sample_tokens(10, [7], theirs, sampler=sampler).tolist()

@@ -17,6 +17,7 @@ from litekv.kv_cache import KVCache, aligned_zeros
 
 from .base import ExternalSamplerExecutor, InternalSamplerExecutor, SamplerParams
 from .lora import LoraAdapter, lora_inputs
+from .numpy_executor import host_sample
 from .prefill_plan import Chunk
 
 # accelerator name -> execution providers to try, in order
@@ -133,6 +134,8 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
 
     def _sample(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None,
                 sampler: SamplerParams) -> np.ndarray:
+        if self.sampler is None:  # a bundle converted with --no-sampler: same algorithm on the host
+            return host_sample(self._decode(tokens, kv_cache, adapter), sampler, kv_cache.num_tokens)
         out = np.zeros(kv_cache.batch_size, np.int32)
         for row in range(kv_cache.batch_size):
             _, logits_value = self._run(tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter)
