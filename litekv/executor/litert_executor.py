@@ -7,6 +7,7 @@ reads the smallest bucket that holds the live context.
 """
 from __future__ import annotations
 
+import hashlib
 import threading
 import weakref
 from pathlib import Path
@@ -60,6 +61,27 @@ class _SignatureIO:
             a["local_mask"][0, 0] = np.where(inside, np.float32(0), MASKED)
 
 
+MAX_WEIGHT_CACHES = 32
+
+
+def xnnpack_cache_file(model: Path, fingerprint: str) -> Path:
+    """XNNPACK's packed-weight cache for one model file, in the user cache.
+
+    XNNPACK does not check that a cache file belongs to the model, so the name pins the exact
+    file (path, size, modification time); the oldest files beyond MAX_WEIGHT_CACHES are removed.
+    """
+    stat = model.stat()
+    directory = cache_dir() / "xnnpack"
+    directory.mkdir(parents=True, exist_ok=True)
+    where = hashlib.blake2b(str(model.resolve()).encode(), digest_size=6).hexdigest()
+    path = directory / f"{fingerprint[:12]}-{where}-{stat.st_size}-{stat.st_mtime_ns}.xnn"
+    if not path.exists():
+        others = sorted(directory.glob("*.xnn"), key=lambda p: p.stat().st_mtime)
+        for old in others[:max(0, len(others) - MAX_WEIGHT_CACHES + 1)]:
+            old.unlink(missing_ok=True)
+    return path
+
+
 class _KVMemoryPool:
     """Keeps the memory of every KV cache LiteRT has run on alive, and reuses it for new caches.
 
@@ -99,9 +121,7 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
                          manifest.lora_targets)
         self.manifest = manifest
         path = Path(bundle) / manifest.model_file
-        stat = path.stat()
-        weight_cache = cache_dir() / "xnnpack" / f"{manifest.fingerprint}-{stat.st_size}-{int(stat.st_mtime)}.xnn"
-        weight_cache.parent.mkdir(parents=True, exist_ok=True)
+        weight_cache = xnnpack_cache_file(path, manifest.fingerprint)
         order = ("gpu", "npu", "cpu") if accelerator == "auto" else (accelerator,)
         errors = []
         for kind in order:
