@@ -5,7 +5,6 @@ import argparse
 import json
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Sequence
