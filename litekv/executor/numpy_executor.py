@@ -30,8 +30,9 @@ class NumpyExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         return KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, self.max_context, "BSHD")
 
     def _forward(self, tokens: np.ndarray, kv_cache: KVCache, rows: slice, adapter: LoraAdapter | None) -> np.ndarray:
-        view = ArrayKVCache([kv_cache.raw_keys(l)[rows] for l in range(kv_cache.num_layers)],
-                            [kv_cache.raw_values(l)[rows] for l in range(kv_cache.num_layers)],
+        layers = range(kv_cache.num_layers)
+        view = ArrayKVCache([kv_cache.raw_keys(layer)[rows] for layer in layers],
+                            [kv_cache.raw_values(layer)[rows] for layer in layers],
                             kv_cache.num_tokens)
         return self.model.forward(tokens, view, last_logits_only=True,
                                   lora=adapter.factors if adapter else None)[:, -1]
