@@ -58,22 +58,6 @@ def int8_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, scales
 
 
-def int4_blockwise(w: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int4 in blocks along the input axis: (q int8 in [-8, 7] [out, in], scales fp16 [out, in/block])."""
-    w = np.asarray(w, np.float32)
-    out_dim, in_dim = w.shape
-    if in_dim % block_size:
-        raise ConfigError(f"input size {in_dim} is not a multiple of the int4 block size {block_size}.")
-    blocks = w.reshape(out_dim, in_dim // block_size, block_size)
-    amax = np.abs(blocks).max(axis=2)
-    # A negative extreme can use level -8, one more than +7 allows.
-    extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=2)[..., None], axis=2)[..., 0]
-    scales = np.where(extreme < 0, amax / 8.0, amax / 7.0)
-    scales16 = np.clip(scales, 2.0 ** -14, 65504.0).astype(np.float16)  # XNNPACK: normal positive fp16
-    q = np.clip(np.rint(blocks / scales16.astype(np.float32)[..., None]), -8, 7)
-    return q.astype(np.int8).reshape(out_dim, in_dim), scales16
-
-
 def int4_blockwise_asymmetric(w: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Min/max int4 per block: W ~= q * scale + offset with q in [-8, 7].
 
@@ -93,8 +77,3 @@ def int4_blockwise_asymmetric(w: np.ndarray, block_size: int) -> tuple[np.ndarra
     offsets = (lo + 8.0 * scales).astype(np.float32)
     return (levels - 8).astype(np.int8).reshape(out_dim, in_dim), scales16, offsets
 
-
-def dequantize_int4(q: np.ndarray, scales: np.ndarray, block_size: int) -> np.ndarray:
-    out_dim, in_dim = q.shape
-    blocks = q.reshape(out_dim, in_dim // block_size, block_size).astype(np.float32)
-    return (blocks * scales.astype(np.float32)[..., None]).reshape(out_dim, in_dim)

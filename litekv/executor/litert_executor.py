@@ -53,12 +53,15 @@ class _SignatureIO:
         a["tokens"][0, :real] = tokens
         a["tokens"][0, real:] = 0
         a["input_pos"][:] = np.arange(start, start + self.tokens, dtype=np.int32)
-        visible_until = start + np.minimum(np.arange(self.tokens), real - 1)
-        slots = np.arange(self.capacity)
-        a["mask"][0, 0] = np.where(slots[None, :] <= visible_until[:, None], np.float32(0), MASKED)
-        if "local_mask" in a:
-            inside = (slots[None, :] <= visible_until[:, None]) & (slots[None, :] > visible_until[:, None] - window)
-            a["local_mask"][0, 0] = np.where(inside, np.float32(0), MASKED)
+        # Rows are written in place: a decode step touches one row and allocates nothing sized by the context.
+        for row in range(self.tokens):
+            last = start + min(row, real - 1)  # the newest slot this row may see
+            mask = a["mask"][0, 0, row]
+            mask[:last + 1], mask[last + 1:] = 0.0, MASKED
+            if "local_mask" in a:
+                local = a["local_mask"][0, 0, row]
+                local[:] = MASKED
+                local[max(0, last - window + 1):last + 1] = 0.0
 
 
 MAX_WEIGHT_CACHES = 32
