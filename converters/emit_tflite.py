@@ -8,12 +8,13 @@ under the same names (written by DYNAMIC_UPDATE_SLICE, so one buffer can be boun
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from litekv.models.base import architecture
-from litekv.models.config import ModelConfig
+from litekv.models.config import ModelConfig, RopeConfig
 
 from .graph_ops import GraphOps, LoraSpec, Signature, Sym, rope_tables
 from .quantize import QuantPlan, int8_per_channel
@@ -62,6 +63,15 @@ class TFLiteWeights:
         return self._consts[name]
 
 
+def rotate_half_matrix(dim: int) -> np.ndarray:
+    """W [D, D] with x @ W^T == concat(-x[D/2:], x[:D/2])."""
+    half = dim // 2
+    w = np.zeros((dim, dim), np.float32)
+    w[np.arange(half), np.arange(half) + half] = -1.0
+    w[np.arange(half) + half, np.arange(half)] = 1.0
+    return w
+
+
 class TFLiteOps(GraphOps):
     def __init__(self, cfg: ModelConfig, store: TFLiteWeights, sg: SubgraphBuilder, sig: Signature,
                  lora: LoraSpec | None, tables):
@@ -70,6 +80,7 @@ class TFLiteOps(GraphOps):
         self.sg = sg
         self._count = 0
         self.kv_outputs: dict[str, Sym] = {}
+        self._full_rope: dict[RopeConfig, tuple[Sym, Sym]] = {}
 
     # ---- helpers -----------------------------------------------------------------------------
     def _new(self, shape: Sequence[int], dtype: str = "float32") -> Sym:
@@ -131,11 +142,26 @@ class TFLiteOps(GraphOps):
     def gather_rows(self, table: str | np.ndarray, indices: Sym) -> Sym:
         if isinstance(table, str):
             const = self.store.table(table)
-        else:
-            const = self.store.writer.add_constant(np.asarray(table, np.float32), f"table{id(table)}")
+        else:  # stored once by content, shared by every signature
+            key = hashlib.blake2b(np.ascontiguousarray(table, np.float32).tobytes(), digest_size=16).hexdigest()
+            const = self.store.dense(f"table.{key}", table)
         params = Sym(self.sg.use(const), const.shape, const.dtype)
         out = self._op("GATHER", [params, indices], (*indices.shape, *const.shape[1:]), const.dtype, axis=0)
         return self._op("DEQUANTIZE", [out], out.shape) if const.dtype == "float16" else out
+
+    def rope(self, x: Sym, rope: RopeConfig) -> Sym:
+        """x * cos + rotate_half(x) * sin, with rotate_half as one FULLY_CONNECTED by a constant
+        signed permutation: four ops per tensor instead of nine slices, products and concats.
+        A one-token decode step pays per op, not per multiply."""
+        if rope not in self._full_rope:
+            cos, sin = self.rope_tables[rope]  # [max_context, D/2]
+            self._full_rope[rope] = tuple(
+                self.reshape(self.gather_rows(np.concatenate([t, t], axis=1), self.positions),
+                             (1, self.sig.tokens, 1, 2 * t.shape[1]))
+                for t in (cos, sin))
+        cos, sin = self._full_rope[rope]
+        rotated = self.matmul_const(x, f"rope.rotate_half.{x.shape[-1]}", rotate_half_matrix(x.shape[-1]))
+        return self.binary("add", self.binary("mul", x, cos), self.binary("mul", rotated, sin))
 
     def matmul_weight(self, x: Sym, weight: str, parts: Sequence[str]) -> Sym:
         const = self.store.matmul(weight, parts, self)
@@ -221,18 +247,42 @@ class TFLiteOps(GraphOps):
                                self.kv_inputs[name].shape)
             self.kv_outputs[name] = updated
             caches.append(self.reshape(updated, (s, kvh, d)))
+        mask = self.local_mask if window is not None else self.mask
+        if t == 1:
+            return self._decode_attention(q, caches, mask, scale)
         keys = self.transpose(caches[0], (1, 0, 2))  # [KVH, S, D]
         values = self.transpose(caches[1], (1, 2, 0))  # [KVH, D, S]: both matmuls read rows (adj_y)
         q = self.binary("mul", q, self.const(np.float32(scale)))
         q = self.transpose(self.reshape(q, (t, kvh, g, d)), (1, 2, 0, 3))  # [KVH, G, T, D]
         q = self.reshape(q, (kvh, g * t, d))
         scores = self._op("BATCH_MATMUL", [q, keys], (kvh, g * t, s), adj_y=True)
-        mask = self.local_mask if window is not None else self.mask
         scores = self.binary("add", self.reshape(scores, (kvh, g, t, s)), mask)
         probs = self._op("SOFTMAX", [self.reshape(scores, (kvh, g * t, s))], (kvh, g * t, s), beta=1.0)
         out = self._op("BATCH_MATMUL", [probs, values], (kvh, g * t, d), adj_y=True)
         out = self.transpose(self.reshape(out, (kvh, g, t, d)), (2, 0, 1, 3))  # [T, KVH, G, D]
         return self.reshape(out, (1, t, cfg.num_heads * d))
+
+    def _decode_attention(self, q: Sym, caches: list[Sym], mask: Sym, scale: float) -> Sym:
+        """One query token against the cache as it lies in memory, [S, KVH*D], never transposed.
+
+        Each query head is written into its KV head's block of a KVH*D row (zeros elsewhere), so
+        one matmul against the cache rows scores every head; after the second matmul each head
+        keeps its own block. The zero blocks triple the multiplies, which for one token are
+        nothing next to the two whole-cache transposes (a copy of K and V per layer) they replace.
+        """
+        cfg, s = self.cfg, self.sig.capacity
+        kvh, g, d, heads = cfg.num_kv_heads, cfg.group_size, cfg.head_dim, cfg.num_heads
+        select = self.const(np.eye(kvh, dtype=np.float32).reshape(kvh, 1, kvh, 1))
+        keys, values = (self.reshape(c, (1, s, kvh * d)) for c in caches)
+        q = self.binary("mul", q, self.const(np.float32(scale)))
+        spread = self.binary("mul", self.reshape(q, (kvh, g, 1, d)), select)  # [KVH, G, KVH, D]
+        scores = self._op("BATCH_MATMUL", [self.reshape(spread, (1, heads, kvh * d)), keys], (1, heads, s), adj_y=True)
+        scores = self.binary("add", scores, self.reshape(mask, (1, 1, s)))
+        probs = self._op("SOFTMAX", [scores], (1, heads, s), beta=1.0)
+        out = self._op("BATCH_MATMUL", [probs, values], (1, heads, kvh * d))
+        out = self.binary("mul", self.reshape(out, (kvh, g, kvh, d)), select)
+        out = self._op("SUM", [out, self._ints([2])], (kvh, g, d), keep_dims=False)
+        return self.reshape(out, (1, 1, heads * d))
 
     def finish(self, logits: Sym) -> None:
         for name, sym in self.kv_outputs.items():
