@@ -13,6 +13,7 @@ warm-up.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True, help="GGUF file")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--passage", type=Path, default=None, help="passage.json: also report passage_argmax")
     parser.add_argument("--save", default=None, help="also write results/NAME.json")
     args = parser.parse_args()
 
@@ -86,6 +88,13 @@ def main() -> None:
     decode_once()  # warm-up
     times = sorted(decode_once() for _ in range(args.repeats))
     result["decode_tok_s"] = DECODE_TOKENS / times[len(times) // 2]
+    if args.passage:  # teacher forcing, one token per eval so every position's logits are read
+        llm.reset()
+        argmax = []
+        for token in json.loads(args.passage.read_text())["token_ids"][:-1]:
+            llm.eval([token])
+            argmax.append(int(np.argmax(last_logits())))
+        result["passage_argmax"] = argmax
     result.update(prompt_for_decode=DECODE_PROMPT, decode_tokens=DECODE_TOKENS, rss_after_load_mb=rss_after_load,
                   peak_rss_mb=peak_rss_mb(),
                   system_info=llama_cpp.llama_print_system_info().decode(errors="replace").strip())

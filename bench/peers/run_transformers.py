@@ -11,6 +11,7 @@ Prints one JSON line; every figure is the median of --repeats runs after one war
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None, help="GGUF file (default: litekv's shipped Q4_1)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--passage", type=Path, default=None, help="passage.json: also report passage_argmax")
     parser.add_argument("--save", default=None, help="also write results/NAME.json")
     args = parser.parse_args()
     model_path = (args.model or default_model()).resolve()
@@ -94,6 +96,10 @@ def main() -> None:
     decode_once()  # warm-up
     times = sorted(decode_once() for _ in range(args.repeats))
     result["decode_tok_s"] = DECODE_TOKENS / times[len(times) // 2]
+    if args.passage:
+        passage = torch.tensor([json.loads(args.passage.read_text())["token_ids"]])
+        with torch.inference_mode():  # teacher forcing: one forward, the argmax at every position
+            result["passage_argmax"] = model(input_ids=passage[:, :-1]).logits[0].argmax(-1).tolist()
     result.update(prompt_for_decode=DECODE_PROMPT, decode_tokens=DECODE_TOKENS, rss_after_load_mb=rss_after_load,
                   peak_rss_mb=peak_rss_mb())
     report(result, args.save)

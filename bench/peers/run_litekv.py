@@ -1,0 +1,109 @@
+"""litekv on SmolLM2 with the same measurements as the peer runners (main python).
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/peers/run_litekv.py --backend litert --quantize int8
+
+The bundle (max context 4096, prefill signatures 32/128/512) is converted once into the user
+cache by bench/common.py. `load_s` is `Engine(bundle)`: manifest, tokenizer and the compiled
+model, what an application pays at start-up. Timings use the engine's executor on the same fixed
+token ids as the peers: a prefill is `executor.prefill(ids, fresh cache)`; time to first token
+prefills all but the last prompt token and runs one decode step on it (what a session does), then
+takes the argmax; decode is 128 `step` calls with a host argmax, like the peers' loops.
+`passage_argmax` steps through the passage one token at a time (teacher forcing).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/common.py
+
+from common import smollm2_bundle  # noqa: E402
+from peer_common import (DECODE_PROMPT, DECODE_TOKENS, PREFILL_LENGTHS, TTFT_PROMPT, current_rss_mb,  # noqa: E402
+                         fixed_tokens, median_of, peak_rss_mb, report)
+
+import litekv  # noqa: E402
+
+
+def passage_argmax(executor, ids: list[int]) -> list[int]:
+    cache = executor.create_kv_cache()
+    return [int(np.argmax(executor.step([token], cache)[0])) for token in ids[:-1]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=("litert", "onnx"), required=True)
+    parser.add_argument("--quantize", choices=("fp32", "int8", "int4"), required=True)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--passage", type=Path, default=None, help="passage.json: also report passage_argmax")
+    parser.add_argument("--save", default=None, help="also write results/NAME.json")
+    args = parser.parse_args()
+
+    bundle = smollm2_bundle(args.backend, args.quantize)
+    load_times, engine = [], None
+    for _ in range(args.repeats):
+        engine = None
+        start = time.perf_counter()
+        engine = litekv.Engine(bundle, threads=args.threads)
+        load_times.append(time.perf_counter() - start)
+    load_times.sort()
+    rss_after_load = current_rss_mb()
+    ex = engine.executor
+    model_bytes = sum(f.stat().st_size for f in bundle.iterdir() if f.suffix in (".tflite", ".onnx", ".data"))
+
+    def prefill(tokens: list[int]):
+        cache = ex.create_kv_cache()
+        ex.prefill(tokens, cache)
+        return cache
+
+    result = {"peer": "litekv", "version": litekv.__version__, "backend": args.backend, "quantize": args.quantize,
+              "model": bundle.name, "threads": args.threads, "repeats": args.repeats,
+              "load_s": load_times[len(load_times) // 2]}
+    for n in PREFILL_LENGTHS:
+        tokens = fixed_tokens(n)
+        result[f"prefill_{n}_tok_s"] = n / median_of(lambda: prefill(tokens), args.repeats)
+
+    ttft_tokens = fixed_tokens(TTFT_PROMPT)
+
+    def first_token() -> int:
+        cache = prefill(ttft_tokens[:-1])
+        return int(np.argmax(ex.step(ttft_tokens[-1:], cache)[0]))
+    result["ttft_ms"] = 1e3 * median_of(first_token, args.repeats)
+
+    decode_tokens = fixed_tokens(DECODE_PROMPT)
+
+    def decode_once() -> float:
+        cache = prefill(decode_tokens[:-1])
+        token = decode_tokens[-1]
+        start = time.perf_counter()
+        for _ in range(DECODE_TOKENS):
+            token = int(np.argmax(ex.step([token], cache)[0]))
+        return time.perf_counter() - start
+
+    def sample_tokens_once() -> float:
+        cache = prefill(decode_tokens[:-1])
+        start = time.perf_counter()
+        ex.sample_tokens(DECODE_TOKENS, decode_tokens[-1:], cache)
+        return time.perf_counter() - start
+
+    decode_once()  # warm-up
+    times = sorted(decode_once() for _ in range(args.repeats))
+    result["decode_tok_s"] = DECODE_TOKENS / times[len(times) // 2]
+    times = sorted(sample_tokens_once() for _ in range(args.repeats))
+    result["internal_sampler_tok_s"] = DECODE_TOKENS / times[len(times) // 2]
+    kv_bytes = ex.create_kv_cache().stats().memory_bytes
+    if args.passage:
+        result["passage_argmax"] = passage_argmax(ex, json.loads(args.passage.read_text())["token_ids"])
+    result.update(prompt_for_decode=DECODE_PROMPT, decode_tokens=DECODE_TOKENS, rss_after_load_mb=rss_after_load,
+                  peak_rss_mb=peak_rss_mb(), model_file_mb=model_bytes / 2**20, kv_mb=kv_bytes / 2**20,
+                  max_context=engine.max_context)
+    report(result, args.save)
+
+
+if __name__ == "__main__":
+    main()

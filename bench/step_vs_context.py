@@ -1,0 +1,84 @@
+"""Decode step time against the live context, for both backends and every precision.
+
+Each executor is opened on a bundle with max context 4096 and prefilled once; the cache is then
+rewound (the rows below stay valid) so that the measured step's token is the L-th: it writes row
+L - 1 and attends over L live tokens, in the smallest capacity bucket that holds them. Writes
+the table, a JSON file and a PNG plot (bench/results/step_vs_context.png).
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/step_vs_context.py
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from common import RESULTS, markdown_table, save, smollm2_bundle
+from litekv.executor import open_executor
+
+LIVE = (64, 128, 256, 512, 1024, 2048, 3072, 4096)
+
+
+def sweep(backend: str, quantize: str, threads: int, steps: int) -> dict[int, float]:
+    """Median step milliseconds at each live length."""
+    ex = open_executor(smollm2_bundle(backend, quantize), threads=threads)
+    cache = ex.create_kv_cache()
+    ex.prefill(np.arange(max(LIVE) - 1) % 40000 + 100, cache)
+    times = {}
+    for live in LIVE:
+        samples = []
+        for _ in range(steps + 2):
+            cache.set_num_tokens(live - 1)
+            start = time.perf_counter()
+            ex.step([42], cache)
+            samples.append(time.perf_counter() - start)
+        times[live] = 1e3 * statistics.median(samples[2:])
+    return times
+
+
+def plot(results: dict[str, dict[int, float]], path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, times in results.items():
+        style = "-" if label.startswith("litert") else "--"
+        ax.plot(list(times), list(times.values()), style, marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(LIVE, [str(n) for n in LIVE])
+    ax.set_xlabel("tokens attended by the step (max context 4096)")
+    ax.set_ylabel("decode step time, ms")
+    ax.set_title("litekv decode step time vs live context (SmolLM2-135M, 2 threads)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--quantize", default="fp32,int8,int4")
+    args = parser.parse_args()
+    results = {}
+    for backend in ("litert", "onnx"):
+        for quantize in args.quantize.split(","):
+            print(f"{backend} {quantize} ...", file=sys.stderr, flush=True)
+            results[f"{backend}-{quantize}"] = sweep(backend, quantize, args.threads, args.steps)
+    rows = [[label, *(f"{t:.2f}" for t in times.values()), f"{times[2048] / times[64]:.2f}"]
+            for label, times in results.items()]
+    print(markdown_table(["system", *(f"{n} tok ms" for n in LIVE), "2048 / 64 (target <= 1.25)"], rows))
+    save("step_vs_context", {label: {str(k): v for k, v in t.items()} for label, t in results.items()})
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    plot(results, RESULTS / "step_vs_context.png")
+    print(f"plot: {RESULTS / 'step_vs_context.png'}")
+
+
+if __name__ == "__main__":
+    main()
