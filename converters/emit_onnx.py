@@ -41,6 +41,9 @@ class OnnxOps(GraphOps):
         self.outputs: list[onnx.ValueInfoProto] = []
         self._count = 0
         self._weights: dict[str, str] = {}
+        # output -> (source, start, width): tensors that are a last-axis slice of another one, seen
+        # through head reshapes, so attention can take q, k and v as the one fused projection.
+        self._views: dict[str, tuple[str, int, int]] = {}
         self.presents: dict[int, tuple[str, str]] = {}
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -125,8 +128,27 @@ class OnnxOps(GraphOps):
         return self._node("Transpose", [x], [x.shape[p] for p in perm], x.dtype, perm=list(perm))
 
     def slice_last(self, x: Sym, start: int, size: int) -> Sym:
-        return self._node("Slice", [x, self._ints([start]), self._ints([start + size]), self._ints([-1])],
-                          (*x.shape[:-1], size), x.dtype)
+        out = self._node("Slice", [x, self._ints([start]), self._ints([start + size]), self._ints([-1])],
+                         (*x.shape[:-1], size), x.dtype)
+        self._views[out.ref] = (x.ref, start, size)
+        return out
+
+    def split_heads(self, x: Sym, num_heads: int, head_dim: int) -> Sym:
+        out = super().split_heads(x, num_heads, head_dim)
+        if x.ref in self._views:
+            self._views[out.ref] = self._views[x.ref]
+        return out
+
+    def _packed_qkv(self, q: Sym, k: Sym, v: Sym) -> str | None:
+        """The fused projection q, k and v were sliced from, in that order, if they were."""
+        views = [self._views.get(x.ref) for x in (q, k, v)]
+        if None in views or len({src for src, _, _ in views}) != 1:
+            return None
+        starts = [start for _, start, _ in views]
+        widths = [width for _, _, width in views]
+        if starts != [0, widths[0], widths[0] + widths[1]]:
+            return None
+        return views[0][0]
 
     def last_row(self, x: Sym) -> Sym:
         return self._node("Slice", [x, self._ints([-1]), self._ints([2 ** 31]), self._ints([1])],
@@ -233,8 +255,12 @@ class OnnxOps(GraphOps):
         past_k = self.input(f"past_key_{layer}", kv_shape)
         past_v = self.input(f"past_value_{layer}", kv_shape)
         rotary = q.rotary
-        flat = [self.reshape(Sym(x.ref, x.shape), (1, T_DIM, x.shape[2] * x.shape[3])) for x in (q, k, v)]
-        inputs = [*(f.ref for f in flat), past_k.ref, past_v.ref, self.seqlens.ref, self.total.ref]
+        packed = self._packed_qkv(q, k, v)
+        if packed is not None:  # GQA splits the fused projection itself; the slices go unused
+            qkv = [packed, "", ""]
+        else:
+            qkv = [self.reshape(Sym(x.ref, x.shape), (1, T_DIM, x.shape[2] * x.shape[3])).ref for x in (q, k, v)]
+        inputs = [*qkv, past_k.ref, past_v.ref, self.seqlens.ref, self.total.ref]
         if rotary is not None:  # positions come from seqlens_k: the chunk sits right after the cache
             inputs += list(self._rotary_cache(rotary))
         out, present_k, present_v = (self._name("attn"), f"present_key_{layer}", f"present_value_{layer}")
@@ -246,6 +272,17 @@ class OnnxOps(GraphOps):
             self.outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, list(kv_shape)))
         return Sym(out, (1, T_DIM, cfg.num_heads * cfg.head_dim))
 
+    def _drop_unused(self) -> None:
+        """Remove nodes and initializers no output depends on (the slices packed QKV bypasses)."""
+        needed = {o.name for o in self.outputs}
+        kept = []
+        for node in reversed(self.nodes):
+            if any(o in needed for o in node.output):
+                kept.append(node)
+                needed.update(i for i in node.input if i)
+        self.nodes = kept[::-1]
+        self.initializers = [t for t in self.initializers if t.name in needed]
+
     def _rotary_cache(self, rope) -> tuple[str, str]:
         cos, sin = self.rope_tables[rope]
         tag = f"{rope.kind}_{rope.theta:g}_{rope.factor:g}"
@@ -253,6 +290,7 @@ class OnnxOps(GraphOps):
 
     def finish(self, logits: Sym) -> onnx.ModelProto:
         self.output("logits", logits)
+        self._drop_unused()
         graph = helper.make_graph(self.nodes, f"litekv_{self.cfg.architecture}", self.inputs, self.outputs,
                                   self.initializers)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),

@@ -228,9 +228,12 @@ class GraphOps(ABC):
         if self.plan.format_for(name) != "int4":
             return y
         offsets = self.int4_weights(name, parts)[2]
-        blocks = offsets.shape[1]
-        grouped = self.reshape(x, (*x.shape[:-1], blocks, self.plan.block_size))
-        sums = self.reshape(self.reduce_sum_last(grouped), (*x.shape[:-1], blocks))
+        # The block sums come from one matmul by a 0/1 block-membership matrix (shared by every
+        # projection with this input width): three ops per projection instead of five, and a
+        # one-token step pays per op.
+        width, block = x.shape[-1], self.plan.block_size
+        membership = np.kron(np.eye(width // block, dtype=np.float32), np.ones((1, block), np.float32))
+        sums = self.matmul_const(x, f"int4.block_sums.{width}.{block}", membership)
         return self.binary("add", y, self.matmul_const(sums, f"{name}.offsets", offsets))
 
     def linears(self, x: Sym, names: Sequence[str]) -> tuple[Sym, ...]:

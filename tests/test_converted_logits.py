@@ -4,7 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conformance import (BACKENDS, KV_BUCKETS, PREFILL_LENGTHS, bundle, executor, reference, relative_error)
+from conformance import (BACKENDS, KV_BUCKETS, MAX_CONTEXT, PREFILL_LENGTHS, bundle, checkpoint_dir, executor,
+                         reference, relative_error)
+from litekv.converters.checkpoint import load_checkpoint
+from litekv.converters.quantize import QuantPlan, int4_blockwise_asymmetric, int8_per_channel
+from litekv.executor.numpy_executor import NumpyExecutor
 from model_factory import ARCHITECTURES
 
 TOLERANCE = 1e-4
@@ -84,3 +88,47 @@ def test_zero_lora_inputs_equal_the_model_without_lora(backend):
         with_lora.prefill(tokens, cache, lora_id=lora_id)
         np.testing.assert_array_equal(cache.key_cache(1), expected_cache.key_cache(1)[:, :10])
         np.testing.assert_array_equal(with_lora.step([5], cache, lora_id=lora_id), expected)
+
+
+def dequantized_reference(arch: str, quantize: str) -> NumpyExecutor:
+    """The reference on the weights a `quantize` bundle stores, dequantized: what its graph computes
+    up to the kernels' activation rounding."""
+    ckpt = load_checkpoint(checkpoint_dir(arch), with_tokenizer=False)
+    plan = QuantPlan.named(quantize)
+    weights = dict(ckpt.weights)
+    head = np.asarray(weights.get("lm_head.weight", weights["embed.weight"]), np.float32)
+    for name, w in ckpt.weights.items():
+        if name.startswith("layers.") and np.ndim(w) == 2:
+            if plan.weights == "int4":
+                q, scales, offsets = int4_blockwise_asymmetric(w, plan.block_size)
+                blocks = q.reshape(*offsets.shape, plan.block_size).astype(np.float32)
+                w = blocks * scales.astype(np.float32)[..., None] + offsets[..., None]
+            else:
+                q, scales = int8_per_channel(w)
+                w = q * scales[:, None]
+            weights[name] = w.reshape(np.shape(ckpt.weights[name])).astype(np.float32)
+    q, scales = int8_per_channel(head)
+    weights["lm_head.weight"] = (q * scales[:, None]).astype(np.float32)
+    weights["embed.weight"] = np.asarray(weights["embed.weight"], np.float16).astype(np.float32)
+    return NumpyExecutor(ckpt.config, weights, max_context=MAX_CONTEXT)
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_quantized_graph_computes_its_dequantized_weights(arch, backend, quantize):
+    """Catches structural errors in the quantized projections (block sums, offsets, scales): the
+    bundle matches the reference on its own dequantized weights up to activation rounding, and
+    for int4 much more closely than the fp32 reference does."""
+    ex = executor(arch, backend, quantize)
+    dequantized, fp32 = dequantized_reference(arch, quantize), reference(arch)
+    prompt = np.random.default_rng(3).integers(3, ex.config.vocab_size, 9)
+    caches = [m.create_kv_cache() for m in (ex, dequantized, fp32)]
+    for model, cache in zip((ex, dequantized, fp32), caches):
+        model.prefill(prompt[:-1], cache)
+    for token in [prompt[-1], 5, 9, 17]:
+        ours, expected, unquantized = (m.step([token], c) for m, c in zip((ex, dequantized, fp32), caches))
+        error = relative_error(ours, expected)
+        assert error < 2.5e-2, error  # what int8 activations inside the kernels cost
+        if quantize == "int4":  # int4 weights differ from fp32 ~10x more than the kernels' rounding
+            assert error < relative_error(unquantized, expected) / 4
