@@ -69,7 +69,6 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         self.accelerator, providers = choose_providers(accelerator)
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads or 2
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         bundle = Path(bundle)
         self._bundle, self._options, self._providers = bundle, options, providers
