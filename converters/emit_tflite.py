@@ -246,10 +246,12 @@ class TFLiteOps(GraphOps):
             updated = self._op("DYNAMIC_UPDATE_SLICE", [self.kv_inputs[name], new, self.kv_start],
                                self.kv_inputs[name].shape)
             self.kv_outputs[name] = updated
-            caches.append(self.reshape(updated, (s, kvh, d)))
+            caches.append(updated)
         mask = self.local_mask if window is not None else self.mask
         if t == 1:
             return self._decode_attention(q, caches, mask, scale)
+        # XNNPACK runs a reshape as a copy, so each view of the cache costs a pass over it.
+        caches = [self.reshape(c, (s, kvh, d)) for c in caches]
         keys = self.transpose(caches[0], (1, 0, 2))  # [KVH, S, D]
         values = self.transpose(caches[1], (1, 2, 0))  # [KVH, D, S]: both matmuls read rows (adj_y)
         q = self.binary("mul", q, self.const(np.float32(scale)))
@@ -273,7 +275,7 @@ class TFLiteOps(GraphOps):
         cfg, s = self.cfg, self.sig.capacity
         kvh, g, d, heads = cfg.num_kv_heads, cfg.group_size, cfg.head_dim, cfg.num_heads
         select = self.const(np.eye(kvh, dtype=np.float32).reshape(kvh, 1, kvh, 1))
-        keys, values = (self.reshape(c, (1, s, kvh * d)) for c in caches)
+        keys, values = (self.reshape(c, (1, s, kvh * d)) for c in caches)  # one copy each (XNNPACK)
         q = self.binary("mul", q, self.const(np.float32(scale)))
         spread = self.binary("mul", self.reshape(q, (kvh, g, 1, d)), select)  # [KVH, G, KVH, D]
         scores = self._op("BATCH_MATMUL", [self.reshape(spread, (1, heads, kvh * d)), keys], (1, heads, s), adj_y=True)
