@@ -16,7 +16,7 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def smollm2_bundle(backend: str, quantize: str, max_context: int = 4096, lora_rank: int | None = None,
-                   prefill_lengths: tuple[int, ...] = (32, 128, 256, 512, 1024)) -> Path:
+                   prefill_lengths: tuple[int, ...] = (32, 128, 256, 512)) -> Path:
     """A SmolLM2 bundle in the user cache, converted on first use."""
     name = f"smollm2-{backend}-{quantize}-ctx{max_context}-lora{lora_rank}-p{'_'.join(map(str, prefill_lengths))}"
     path = cache_dir() / "bench-bundles" / name

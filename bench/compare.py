@@ -167,7 +167,7 @@ def report(runs: dict[str, list[dict]], ran: list[System], skipped: list[System]
             continue
         for s in (s for s in ran if s.litekv and s.precision_class == cls):
             ratio = paired_ratio(runs[s.name], runs[peer], key)
-            target_rows.append([s.name, peer, key, f">= {minimum}", fmt(ratio, ".2f"), "met" if ratio >= minimum else "not met"])
+            target_rows.append([s.name, peer, key, f">= {minimum}", fmt(ratio, ".3f"), "met" if ratio >= minimum else "not met"])
     for s in (s for s in ran if s.litekv):
         same = [p for p in peers if p.precision_class == s.precision_class]
         for key in ("prefill_256_tok_s", "prefill_1024_tok_s"):
@@ -175,7 +175,7 @@ def report(runs: dict[str, list[dict]], ran: list[System], skipped: list[System]
                 continue
             best = max(same, key=lambda p: median_field(runs[p.name], key))
             ratio = paired_ratio(runs[s.name], runs[best.name], key)
-            target_rows.append([s.name, f"best: {best.name}", key, ">= 1.0", fmt(ratio, ".2f"),
+            target_rows.append([s.name, f"best: {best.name}", key, ">= 1.0", fmt(ratio, ".3f"),
                                 "met" if ratio >= 1.0 else "not met"])
     text += ["## Targets", "", markdown_table(["litekv", "peer", "figure", "target", "ratio", ""], target_rows), ""]
     if skipped:
@@ -215,7 +215,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", default="", help="comma-separated substrings of system names to run")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite compare.md and the plot from the last compare.json, measuring nothing")
     args = parser.parse_args()
+    if args.report_only:
+        saved = json.loads((RESULTS / "compare.json").read_text())
+        runs = saved["runs"]
+        ran = [s for s in systems() if s.name in runs]
+        skipped = [s for s in systems() if s.name not in runs and s.missing()]
+        write_results(runs, ran, skipped, saved["quality"], saved["threads"], saved["rounds"], {})
+        return
     wanted = [w.strip().lower() for w in args.only.split(",") if w.strip()]
     chosen = [s for s in systems() if not wanted or any(w in s.name.lower() for w in wanted)]
     ran = [s for s in chosen if not s.missing()]
@@ -248,13 +257,19 @@ def main() -> None:
         if got is not None:
             quality[s.name] = float(np.mean(np.array(got) == expected))
 
+    (RESULTS / "compare.json").parent.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "compare.json").write_text(json.dumps({"threads": args.threads, "rounds": args.rounds, "runs": runs,
+                                                      "quality": quality}, indent=1))
+    write_results(runs, ran, skipped, quality, args.threads, args.rounds, failed)
+
+
+def write_results(runs: dict[str, list[dict]], ran: list[System], skipped: list[System], quality: dict[str, float],
+                  threads: int, rounds: int, failed: dict[str, str]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    text = report(runs, ran, skipped, quality, args.threads, args.rounds)
+    text = report(runs, ran, skipped, quality, threads, rounds)
     if failed:
         text += "\n## Failed\n\n" + "\n".join(f"- {name}: {err.splitlines()[0]}" for name, err in failed.items()) + "\n"
     (RESULTS / "compare.md").write_text(text)
-    (RESULTS / "compare.json").write_text(json.dumps({"threads": args.threads, "rounds": args.rounds, "runs": runs,
-                                                      "quality": quality}, indent=1))
     plot(runs, ran, RESULTS / "compare_tok_s.png")
     print(text)
     print(f"wrote {RESULTS / 'compare.md'} and {RESULTS / 'compare_tok_s.png'}")
