@@ -1,6 +1,7 @@
 """Shared helpers for the benchmarks: bundles converted once, timing, result files."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -15,10 +16,20 @@ from litekv.converters.convert import ConvertOptions, convert
 RESULTS = Path(__file__).parent / "results"
 
 
+def converter_fingerprint() -> str:
+    """Hash of the converter and architecture sources: a bundle made by older code is never reused."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted([*root.glob("converters/*.py"), *root.glob("models/*.py")]):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:10]
+
+
 def smollm2_bundle(backend: str, quantize: str, max_context: int = 4096, lora_rank: int | None = None,
                    prefill_lengths: tuple[int, ...] = (32, 128, 256, 512)) -> Path:
     """A SmolLM2 bundle in the user cache, converted on first use."""
-    name = f"smollm2-{backend}-{quantize}-ctx{max_context}-lora{lora_rank}-p{'_'.join(map(str, prefill_lengths))}"
+    name = (f"smollm2-{backend}-{quantize}-ctx{max_context}-lora{lora_rank}-p{'_'.join(map(str, prefill_lengths))}"
+            f"-{converter_fingerprint()}")
     path = cache_dir() / "bench-bundles" / name
     if not (path / "litekv.json").exists():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,10 @@
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/compare.py [--rounds 3] [--only SUBSTR,...]
 
 Every system runs in a fresh process per round (so load time and peak RSS are its own), with its
-runner in bench/peers/ measuring the same things on the same fixed token ids with 2 threads. The
+runner in bench/peers/ measuring the same things on the same fixed token ids with 2 threads
+(LiteRT-LM takes text only: its runner re-encodes the same pseudo-random text to exactly the same
+lengths). Contexts: llama.cpp n_ctx 2048, onnxruntime-genai max_length 2048, LiteRT-LM a
+2048-entry cache, transformers a dynamic cache, litekv max context 4096 in capacity buckets. The
 rounds interleave the systems, rotating the order, and each figure is the median over rounds;
 a litekv / peer ratio is computed within each round and its median reported, so slow drift of
 the machine hits both sides of a ratio alike. The first round also records each system's

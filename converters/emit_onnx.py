@@ -44,6 +44,7 @@ class OnnxOps(GraphOps):
         # output -> (source, start, width): tensors that are a last-axis slice of another one, seen
         # through head reshapes, so attention can take q, k and v as the one fused projection.
         self._views: dict[str, tuple[str, int, int]] = {}
+        self._width: dict[str, int] = {}  # last-axis width of every sliced source
         self.presents: dict[int, tuple[str, str]] = {}
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -131,6 +132,7 @@ class OnnxOps(GraphOps):
         out = self._node("Slice", [x, self._ints([start]), self._ints([start + size]), self._ints([-1])],
                          (*x.shape[:-1], size), x.dtype)
         self._views[out.ref] = (x.ref, start, size)
+        self._width[x.ref] = x.shape[-1]
         return out
 
     def split_heads(self, x: Sym, num_heads: int, head_dim: int) -> Sym:
@@ -146,7 +148,7 @@ class OnnxOps(GraphOps):
             return None
         starts = [start for _, start, _ in views]
         widths = [width for _, _, width in views]
-        if starts != [0, widths[0], widths[0] + widths[1]]:
+        if starts != [0, widths[0], widths[0] + widths[1]] or self._width.get(views[0][0]) != sum(widths):
             return None
         return views[0][0]
 

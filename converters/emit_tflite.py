@@ -63,6 +63,9 @@ class TFLiteWeights:
         return self._consts[name]
 
 
+SPREAD_MAX_KV_HEADS = 4  # one-token attention spreads heads over KVH blocks: KVH x the multiplies
+
+
 def rotate_half_matrix(dim: int) -> np.ndarray:
     """W [D, D] with x @ W^T == concat(-x[D/2:], x[:D/2])."""
     half = dim // 2
@@ -143,8 +146,9 @@ class TFLiteOps(GraphOps):
         if isinstance(table, str):
             const = self.store.table(table)
         else:  # stored once by content, shared by every signature
-            key = hashlib.blake2b(np.ascontiguousarray(table, np.float32).tobytes(), digest_size=16).hexdigest()
-            const = self.store.dense(f"table.{key}", table)
+            data = np.ascontiguousarray(table, np.float32)
+            key = hashlib.blake2b(data.tobytes() + str(data.shape).encode(), digest_size=16).hexdigest()
+            const = self.store.dense(f"table.{key}", data)
         params = Sym(self.sg.use(const), const.shape, const.dtype)
         out = self._op("GATHER", [params, indices], (*indices.shape, *const.shape[1:]), const.dtype, axis=0)
         return self._op("DEQUANTIZE", [out], out.shape) if const.dtype == "float16" else out
@@ -248,7 +252,7 @@ class TFLiteOps(GraphOps):
             self.kv_outputs[name] = updated
             caches.append(updated)
         mask = self.local_mask if window is not None else self.mask
-        if t == 1:
+        if t == 1 and kvh <= SPREAD_MAX_KV_HEADS:
             return self._decode_attention(q, caches, mask, scale)
         # XNNPACK runs a reshape as a copy, so each view of the cache costs a pass over it.
         caches = [self.reshape(c, (s, kvh, d)) for c in caches]
@@ -269,8 +273,9 @@ class TFLiteOps(GraphOps):
 
         Each query head is written into its KV head's block of a KVH*D row (zeros elsewhere), so
         one matmul against the cache rows scores every head; after the second matmul each head
-        keeps its own block. The zero blocks triple the multiplies, which for one token are
-        nothing next to the two whole-cache transposes (a copy of K and V per layer) they replace.
+        keeps its own block. The zero blocks multiply the attention arithmetic by KVH, which for
+        one token and few KV heads is far less than the two whole-cache transposes (a copy of K
+        and V per layer) it replaces; more KV heads take the transposing path.
         """
         cfg, s = self.cfg, self.sig.capacity
         kvh, g, d, heads = cfg.num_kv_heads, cfg.group_size, cfg.head_dim, cfg.num_heads

@@ -17,6 +17,7 @@ from litekv.models.config import ModelConfig, RopeConfig
 from .quantize import QuantPlan, int4_blockwise_asymmetric
 
 LORA_TARGETS = ("q", "k", "v", "o")
+MEMBERSHIP_MAX_BLOCKS = 64  # int4 block sums by matmul up to a [64, 2048] fp32 constant (512 KB)
 
 
 @dataclass(frozen=True)
@@ -228,12 +229,17 @@ class GraphOps(ABC):
         if self.plan.format_for(name) != "int4":
             return y
         offsets = self.int4_weights(name, parts)[2]
-        # The block sums come from one matmul by a 0/1 block-membership matrix (shared by every
-        # projection with this input width): three ops per projection instead of five, and a
-        # one-token step pays per op.
         width, block = x.shape[-1], self.plan.block_size
-        membership = np.kron(np.eye(width // block, dtype=np.float32), np.ones((1, block), np.float32))
-        sums = self.matmul_const(x, f"int4.block_sums.{width}.{block}", membership)
+        blocks = width // block
+        if blocks <= MEMBERSHIP_MAX_BLOCKS:
+            # One matmul by a 0/1 block-membership matrix shared by every projection of this
+            # width: three ops per projection instead of five, and a one-token step pays per op.
+            # The matrix is blocks x width floats, so wide inputs use reshape + sum instead.
+            membership = np.kron(np.eye(blocks, dtype=np.float32), np.ones((1, block), np.float32))
+            sums = self.matmul_const(x, f"int4.block_sums.{width}.{block}", membership)
+        else:
+            grouped = self.reshape(x, (*x.shape[:-1], blocks, block))
+            sums = self.reshape(self.reduce_sum_last(grouped), (*x.shape[:-1], blocks))
         return self.binary("add", y, self.matmul_const(sums, f"{name}.offsets", offsets))
 
     def linears(self, x: Sym, names: Sequence[str]) -> tuple[Sym, ...]:

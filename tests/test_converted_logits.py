@@ -107,6 +107,7 @@ def dequantized_reference(arch: str, quantize: str) -> NumpyExecutor:
                 q, scales = int8_per_channel(w)
                 w = q * scales[:, None]
             weights[name] = w.reshape(np.shape(ckpt.weights[name])).astype(np.float32)
+    assert (plan.lm_head, plan.embedding) == ("int8", "fp16"), "dequantize the plan's head and table formats here"
     q, scales = int8_per_channel(head)
     weights["lm_head.weight"] = (q * scales[:, None]).astype(np.float32)
     weights["embed.weight"] = np.asarray(weights["embed.weight"], np.float16).astype(np.float32)

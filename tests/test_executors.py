@@ -255,7 +255,9 @@ def test_unloading_an_adapter_in_use_is_refused(tmp_path):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cancel_from_another_thread_stops_sample_tokens_within_one_step(backend):
-    """50 cancels at random moments of a 200-step sample_tokens, each from another thread."""
+    """50 cancels from another thread at random steps of a 200-step sample_tokens: alternately
+    while a step's model call is about to run (the backend's own interrupt stops it) and after
+    the call returned (the step completes, the next one never starts)."""
     steps, prompt_len = 200, 4
     ex = executor(ARCH, backend, max_context=256)
     baseline_cache = ex.create_kv_cache()
@@ -263,26 +265,34 @@ def test_cancel_from_another_thread_stops_sample_tokens_within_one_step(backend)
     baseline = ex.sample_tokens(steps, [8], baseline_cache)[0].tolist()
     rng = random.Random(5)
     for trial in range(50):
-        cancel_once(ex, baseline, steps, prompt_len, prompt_len + rng.randint(0, steps - 2), trial)
+        target = prompt_len + rng.randint(0, steps - 2)
+        cancel_once(ex, baseline, steps, prompt_len, target, trial, inside_call=trial % 2 == 0)
 
 
-def cancel_once(ex, baseline, steps, prompt_len, target, trial):
-    """Another thread cancels while step `target` runs; the step is held open until the cancel
-    request has been made, so the outcome does not depend on how the OS schedules the threads."""
+def cancel_once(ex, baseline, steps, prompt_len, target, trial, inside_call: bool):
+    """Another thread cancels at step `target`, which is held open (before or after its model
+    call) until the request has been made, so the outcome does not depend on scheduling."""
     cache = ex.create_kv_cache()
     ex.prefill(prompt(prompt_len), cache)
-    step_running, cancel_sent = threading.Event(), threading.Event()
+    step_reached, cancel_sent = threading.Event(), threading.Event()
     original = ex._sample
 
+    def hold() -> None:
+        step_reached.set()
+        assert cancel_sent.wait(30), "the cancelling thread never ran"
+
     def observed(tokens, kv_cache, *args):
-        if kv_cache.num_tokens == target:
-            step_running.set()
-            assert cancel_sent.wait(30), "the cancelling thread never ran"
-        return original(tokens, kv_cache, *args)
+        at_target = kv_cache.num_tokens == target
+        if at_target and inside_call:
+            hold()
+        out = original(tokens, kv_cache, *args)
+        if at_target and not inside_call:
+            hold()
+        return out
 
     def canceller():
-        step_running.wait(30)
-        ex.cancel()
+        if step_reached.wait(30):
+            ex.cancel()
         cancel_sent.set()
 
     thread = threading.Thread(target=canceller)
@@ -294,9 +304,11 @@ def cancel_once(ex, baseline, steps, prompt_len, target, trial):
     finally:
         del ex._sample
         thread.join()
-    # The step that was running when the cancel came is either interrupted inside the model or
-    # completes; no further step starts.
-    assert cache.num_tokens in (target, target + 1), f"trial {trial}: {cache.num_tokens - target} steps after cancel"
+    assert step_reached.is_set(), f"trial {trial}: step {target} never ran"
+    # Inside the call the backend's interrupt stops the step (nothing committed); after it the
+    # step is committed and no further step starts.
+    expected = target if inside_call else target + 1
+    assert cache.num_tokens == expected, f"trial {trial}: {cache.num_tokens} tokens, expected {expected}"
     done = cache.num_tokens - prompt_len
     # Continuing from exactly the committed tokens reproduces the uncancelled run.
     last = baseline[done - 1] if done else 8

@@ -18,7 +18,7 @@ tokenizer.json, the chat template and the stop tokens into a .litertlm file (lit
           litert-torch's older example converters call `dynamic_int8`
           (quant_recipes.full_dynamic_recipe: int8, CHANNELWISE, dynamic).
 
-Signatures: prefill_64, prefill_256, prefill_1024 and decode over a 4096-entry KV cache (--cache-length),
+Signatures: prefill_64, prefill_256, prefill_1024 and decode over a 2048-entry KV cache (--cache-length),
 so a 1024-token prompt is one prefill call and prompt + decode fits with room to spare. The 64-token
 signature keeps the short prefills of run_litertlm.py's passage check cheap.
 
@@ -193,7 +193,8 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=PEERS_CACHE)
     parser.add_argument("--variants", nargs="+", choices=sorted(RECIPES), default=["fp32", "int8"])
     parser.add_argument("--prefill-lengths", type=int, nargs="+", default=[64, 256, 1024])
-    parser.add_argument("--cache-length", type=int, default=4096, help="KV cache entries (max context)")
+    parser.add_argument("--cache-length", type=int, default=2048,
+                        help="KV cache entries (max context); 2048 like the other peers' contexts")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for the check")
     parser.add_argument("--force", action="store_true", help="export again even if the bundle exists")
     args = parser.parse_args()

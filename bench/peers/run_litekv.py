@@ -2,8 +2,8 @@
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/peers/run_litekv.py --backend litert --quantize int8
 
-The bundle (max context 4096, prefill signatures 32/128/512) is converted once into the user
-cache by bench/common.py. `load_s` is `Engine(bundle)`: manifest, tokenizer and the compiled
+The bundle (max context 4096, prefill signatures 32/128/256/512) is converted once into the user
+cache by bench/common.py, named with a hash of the converter sources so code changes reconvert. `load_s` is `Engine(bundle)`: manifest, tokenizer and the compiled
 model, what an application pays at start-up. Timings use the engine's executor on the same fixed
 token ids as the peers: a prefill is `executor.prefill(ids, fresh cache)`; time to first token
 prefills all but the last prompt token and runs one decode step on it (what a session does), then

@@ -29,6 +29,15 @@ _PROVIDERS = {
 PREFILL_CHUNK = 512  # longest chunk per call; bounds activation memory
 
 
+def _single_thread(ort):
+    """Options for the tiny sampler graph: no worker pool of its own, so nothing spins beside the
+    model's pool (whose workers spin between nodes, ONNX Runtime's default)."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return options
+
+
 def _ort():
     try:
         import onnxruntime
@@ -75,8 +84,8 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         self._lora_session = None  # the LoRA graph, opened when the first adapter is loaded
         try:
             self.session = ort.InferenceSession(str(bundle / manifest.model_file), options, providers=providers)
-            self.sampler = (ort.InferenceSession(str(bundle / manifest.sampler_file), options, providers=providers)
-                            if manifest.sampler_file else None)
+            self.sampler = (ort.InferenceSession(str(bundle / manifest.sampler_file), _single_thread(ort),
+                                                 providers=providers) if manifest.sampler_file else None)
         except Exception as e:  # onnxruntime raises its own exception types
             if self.accelerator != "cpu":
                 raise AcceleratorUnavailable(self.accelerator, str(e)) from e
