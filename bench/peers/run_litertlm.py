@@ -7,7 +7,7 @@ from make_litertlm_models.py):
         --model ~/.cache/litekv/peers/litertlm-fp32.litertlm --passage bench/peers/passage.json
 
 Engine: litert_lm.Engine(model, backend=Backend.CPU(thread_count=--threads), enable_benchmark=True); the KV
-cache size is the bundle's (4096). Every measurement uses a fresh Session (created outside the clock) made
+cache size is the bundle's (2048). Every measurement uses a fresh Session (created outside the clock) made
 with apply_prompt_template=False (raw tokens, no chat template) and SamplerConfig(top_k=1) (greedy). The
 bundles have no start token (make_litertlm_models.py removes it), so no BOS is fed, as in the other peers.
 
