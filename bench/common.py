@@ -52,6 +52,18 @@ def median_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> floa
     return statistics.median(samples)
 
 
+def rewound_step_seconds(executor, cache, num_tokens: int, steps: int, warmup: int = 2) -> float:
+    """Median seconds of one decode step with `num_tokens` in the cache, rewound before every
+    step so each sees the same context (the rows below stay valid)."""
+    samples = []
+    for _ in range(warmup + steps):
+        cache.set_num_tokens(num_tokens)
+        start = time.perf_counter()
+        executor.step([42], cache)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples[warmup:])
+
+
 def save(name: str, result: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

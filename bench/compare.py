@@ -69,21 +69,22 @@ def systems() -> list[System]:
                setup="bash bench/peers/setup.sh"),
         System("transformers fp32", "fp32", MAIN_PYTHON, ["bench/peers/run_transformers.py"]),
     ]
-    genai_py = PEERS / ".venv-ortgenai" / "bin" / "python"
-    for precision, cls in (("fp32", "fp32"), ("int4", "4-bit")):
-        model = PEER_CACHE / f"ortgenai-{precision}"
-        out.append(System(f"onnxruntime-genai {precision}", cls, genai_py,
-                          ["bench/peers/run_ortgenai.py", "--model", str(model)], requires=[model],
-                          setup="bash bench/peers/setup_ortgenai.sh && "
-                                "bench/peers/.venv-ortgenai/bin/python bench/peers/make_ortgenai_models.py"))
-    litertlm_py = PEERS / ".venv-litertlm" / "bin" / "python"
-    for precision, cls in (("fp32", "fp32"), ("int8", "8-bit")):
-        model = PEER_CACHE / f"litertlm-{precision}.litertlm"
-        out.append(System(f"LiteRT-LM {precision}", cls, litertlm_py,
-                          ["bench/peers/run_litertlm.py", "--model", str(model)], requires=[model],
-                          setup="bash bench/peers/setup_litertlm.sh && "
-                                "bench/peers/.venv-litertlm/bin/python bench/peers/make_litertlm_models.py"))
+    out += exported_peer("onnxruntime-genai", ".venv-ortgenai", "run_ortgenai.py", "setup_ortgenai.sh",
+                         "make_ortgenai_models.py",
+                         [(p, cls, PEER_CACHE / f"ortgenai-{p}") for p, cls in (("fp32", "fp32"), ("int4", "4-bit"))])
+    out += exported_peer("LiteRT-LM", ".venv-litertlm", "run_litertlm.py", "setup_litertlm.sh",
+                         "make_litertlm_models.py",
+                         [(p, cls, PEER_CACHE / f"litertlm-{p}.litertlm") for p, cls in (("fp32", "fp32"), ("int8", "8-bit"))])
     return out
+
+
+def exported_peer(label: str, venv: str, runner: str, setup: str, make: str,
+                  variants: list[tuple[str, str, Path]]) -> list[System]:
+    """A peer with its own venv and exported models: one System per (precision, class, model)."""
+    python = PEERS / venv / "bin" / "python"
+    return [System(f"{label} {precision}", cls, python, [f"bench/peers/{runner}", "--model", str(model)],
+                   requires=[model], setup=f"bash bench/peers/{setup} && bench/peers/{venv}/bin/python bench/peers/{make}")
+            for precision, cls, model in variants]
 
 
 def run_once(system: System, threads: int, with_passage: bool) -> dict:

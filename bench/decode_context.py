@@ -13,25 +13,17 @@ import statistics
 
 import numpy as np
 
-from common import markdown_table, save, smollm2_bundle
+from common import markdown_table, rewound_step_seconds, save, smollm2_bundle
 from litekv.executor import open_executor
 
 LIVE_TOKENS = 200
 
 
 def step_time(executor, steps: int) -> float:
-    """Median seconds of one decode step at LIVE_TOKENS tokens (the cache is rewound between steps)."""
+    """Median seconds of one decode step at LIVE_TOKENS tokens."""
     cache = executor.create_kv_cache()
     executor.prefill(np.arange(100, 100 + LIVE_TOKENS), cache)
-    samples = []
-    import time
-
-    for _ in range(steps):
-        start = time.perf_counter()
-        executor.step([42], cache)
-        samples.append(time.perf_counter() - start)
-        cache.set_num_tokens(LIVE_TOKENS)  # rewind: every step sees the same context
-    return statistics.median(samples[2:])
+    return rewound_step_seconds(executor, cache, LIVE_TOKENS, steps - 2)
 
 
 def compare(a, b, rounds: int, steps: int) -> tuple[float, float]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import markdown_table, save, smollm2_bundle
+from common import markdown_table, rewound_step_seconds, save, smollm2_bundle
 from litekv.converters.quantize import int4_blockwise_asymmetric, int8_per_channel
 from litekv.converters.tflite_writer import PerChannelQuant, TFLiteModelWriter
 from litekv.executor import open_executor
@@ -122,13 +122,7 @@ def decode_step(precision: str, threads: int, runs: int, live: int = 256) -> flo
     ex = open_executor(smollm2_bundle("litert", precision), threads=threads)
     cache = ex.create_kv_cache()
     ex.prefill(np.arange(100, 100 + live), cache)
-    samples = []
-    for _ in range(runs + 3):
-        start = time.perf_counter()
-        ex.step([42], cache)
-        samples.append(time.perf_counter() - start)
-        cache.set_num_tokens(live)
-    return statistics.median(samples[3:])
+    return rewound_step_seconds(ex, cache, live, runs, warmup=3)
 
 
 def main() -> None:

@@ -10,13 +10,11 @@ the table, a JSON file and a PNG plot (bench/results/step_vs_context.png).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import numpy as np
 
-from common import RESULTS, markdown_table, save, smollm2_bundle
+from common import RESULTS, markdown_table, rewound_step_seconds, save, smollm2_bundle
 from litekv.executor import open_executor
 
 LIVE = (64, 128, 256, 512, 1024, 2048, 3072, 4096)
@@ -27,16 +25,7 @@ def sweep(backend: str, quantize: str, threads: int, steps: int) -> dict[int, fl
     ex = open_executor(smollm2_bundle(backend, quantize), threads=threads)
     cache = ex.create_kv_cache()
     ex.prefill(np.arange(max(LIVE) - 1) % 40000 + 100, cache)
-    times = {}
-    for live in LIVE:
-        samples = []
-        for _ in range(steps + 2):
-            cache.set_num_tokens(live - 1)
-            start = time.perf_counter()
-            ex.step([42], cache)
-            samples.append(time.perf_counter() - start)
-        times[live] = 1e3 * statistics.median(samples[2:])
-    return times
+    return {live: 1e3 * rewound_step_seconds(ex, cache, live - 1, steps) for live in LIVE}
 
 
 def plot(results: dict[str, dict[int, float]], path) -> None:

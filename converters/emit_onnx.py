@@ -41,10 +41,10 @@ class OnnxOps(GraphOps):
         self.outputs: list[onnx.ValueInfoProto] = []
         self._count = 0
         self._weights: dict[str, str] = {}
-        # output -> (source, start, width): tensors that are a last-axis slice of another one, seen
-        # through head reshapes, so attention can take q, k and v as the one fused projection.
-        self._views: dict[str, tuple[str, int, int]] = {}
-        self._width: dict[str, int] = {}  # last-axis width of every sliced source
+        # output -> (source, source width, start, width): tensors that are a last-axis slice of
+        # another one, seen through head reshapes, so attention can take q, k and v as the one
+        # fused projection.
+        self._views: dict[str, tuple[str, int, int, int]] = {}
         self.presents: dict[int, tuple[str, str]] = {}
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -131,8 +131,7 @@ class OnnxOps(GraphOps):
     def slice_last(self, x: Sym, start: int, size: int) -> Sym:
         out = self._node("Slice", [x, self._ints([start]), self._ints([start + size]), self._ints([-1])],
                          (*x.shape[:-1], size), x.dtype)
-        self._views[out.ref] = (x.ref, start, size)
-        self._width[x.ref] = x.shape[-1]
+        self._views[out.ref] = (x.ref, x.shape[-1], start, size)
         return out
 
     def split_heads(self, x: Sym, num_heads: int, head_dim: int) -> Sym:
@@ -144,11 +143,11 @@ class OnnxOps(GraphOps):
     def _packed_qkv(self, q: Sym, k: Sym, v: Sym) -> str | None:
         """The fused projection q, k and v were sliced from, in that order, if they were."""
         views = [self._views.get(x.ref) for x in (q, k, v)]
-        if None in views or len({src for src, _, _ in views}) != 1:
+        if None in views or len({(src, total) for src, total, _, _ in views}) != 1:
             return None
-        starts = [start for _, start, _ in views]
-        widths = [width for _, _, width in views]
-        if starts != [0, widths[0], widths[0] + widths[1]] or self._width.get(views[0][0]) != sum(widths):
+        starts = [start for _, _, start, _ in views]
+        widths = [width for _, _, _, width in views]
+        if starts != [0, widths[0], widths[0] + widths[1]] or views[0][1] != sum(widths):
             return None
         return views[0][0]
 
