@@ -2,7 +2,9 @@
 
 Signature contract (LiteRT-LM conventions): inputs `tokens` int32 [1,T], `input_pos` int32 [T],
 `mask` float32 [1,1,T,S] (0 = attend, -inf-like = masked; `local_mask` too for sliding-window
-layers), `kv_cache_k_<i>` / `kv_cache_v_<i>` float32 [1,S,KVH,D]; outputs the updated caches
+layers), `kv_cache_k_<i>` / `kv_cache_v_<i>` float32 [1,S,KVH*D] (the host's [1,S,KVH,D] buffer
+seen as rows: XNNPACK copies a bound tensor it reshapes, so the graph never reshapes the cache for
+decode); outputs the updated caches
 under the same names (written by DYNAMIC_UPDATE_SLICE, so one buffer can be bound in place) and
 `logits` [1,1,V] (decode) or `next_token` int32 [1] (sampling signatures).
 """
@@ -231,14 +233,14 @@ class TFLiteOps(GraphOps):
         self.positions = self.input("input_pos", (t,), "int32")
         self.mask = self.input("mask", (1, 1, t, s))
         self.local_mask = self.input("local_mask", (1, 1, t, s)) if "sliding" in cfg.layer_types else None
-        kv_shape = (1, s, cfg.num_kv_heads, cfg.head_dim)
+        kv_shape = (1, s, cfg.num_kv_heads * cfg.head_dim)
         self.kv_inputs = {}
         for i in range(cfg.num_layers):
             for kind in ("k", "v"):
                 name = f"kv_cache_{kind}_{i}"
                 self.kv_inputs[name] = self.input(name, kv_shape)
         first_pos = self._op("SLICE", [self.positions, self._ints([0]), self._ints([1])], (1,), "int32")
-        self.kv_start = self._op("CONCATENATION", [self._ints([0]), first_pos, self._ints([0, 0])], (4,),
+        self.kv_start = self._op("CONCATENATION", [self._ints([0]), first_pos, self._ints([0])], (3,),
                                  "int32", axis=0)
 
     def attention(self, q: Sym, k: Sym, v: Sym, layer: int, window: int | None, scale: float) -> Sym:
@@ -247,6 +249,7 @@ class TFLiteOps(GraphOps):
         caches = []
         for kind, new in (("k", k), ("v", v)):
             name = f"kv_cache_{kind}_{layer}"
+            new = self.reshape(new, (1, t, kvh * d))
             updated = self._op("DYNAMIC_UPDATE_SLICE", [self.kv_inputs[name], new, self.kv_start],
                                self.kv_inputs[name].shape)
             self.kv_outputs[name] = updated
@@ -254,7 +257,8 @@ class TFLiteOps(GraphOps):
         mask = self.local_mask if window is not None else self.mask
         if t == 1 and kvh <= SPREAD_MAX_KV_HEADS:
             return self._decode_attention(q, caches, mask, scale)
-        # XNNPACK runs a reshape as a copy, so each view of the cache costs a pass over it.
+        # XNNPACK runs a reshape of a bound tensor as a copy: a pass over the cache, which a
+        # prefill chunk's transposes pay anyway.
         caches = [self.reshape(c, (s, kvh, d)) for c in caches]
         keys = self.transpose(caches[0], (1, 0, 2))  # [KVH, S, D]
         values = self.transpose(caches[1], (1, 2, 0))  # [KVH, D, S]: both matmuls read rows (adj_y)
@@ -269,7 +273,7 @@ class TFLiteOps(GraphOps):
         return self.reshape(out, (1, t, cfg.num_heads * d))
 
     def _decode_attention(self, q: Sym, caches: list[Sym], mask: Sym, scale: float) -> Sym:
-        """One query token against the cache as it lies in memory, [S, KVH*D], never transposed.
+        """One query token against the cache as it lies in memory, [S, KVH*D], never transposed or copied.
 
         Each query head is written into its KV head's block of a KVH*D row (zeros elsewhere), so
         one matmul against the cache rows scores every head; after the second matmul each head
@@ -280,7 +284,7 @@ class TFLiteOps(GraphOps):
         cfg, s = self.cfg, self.sig.capacity
         kvh, g, d, heads = cfg.num_kv_heads, cfg.group_size, cfg.head_dim, cfg.num_heads
         select = self.const(np.eye(kvh, dtype=np.float32).reshape(kvh, 1, kvh, 1))
-        keys, values = (self.reshape(c, (1, s, kvh * d)) for c in caches)  # one copy each (XNNPACK)
+        keys, values = caches  # [1, S, KVH*D] as bound: no reshape, so no copy
         q = self.binary("mul", q, self.const(np.float32(scale)))
         spread = self.binary("mul", self.reshape(q, (kvh, g, 1, d)), select)  # [KVH, G, KVH, D]
         scores = self._op("BATCH_MATMUL", [self.reshape(spread, (1, heads, kvh * d)), keys], (1, heads, s), adj_y=True)

@@ -17,7 +17,7 @@ from litekv.models.config import ModelConfig
 
 MANIFEST = "litekv.json"
 FORMAT = "litekv-bundle"
-VERSION = 1
+VERSION = 2  # 2: TFLite KV cache tensors are [1,S,KVH*D]
 BACKENDS = ("litert", "onnx")
 
 

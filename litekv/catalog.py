@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from litekv.bundle import VERSION as BUNDLE_VERSION
 from litekv.errors import LitekvError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -102,7 +103,7 @@ def prepared_bundle(name: str = DEFAULT_MODEL, backend: str = "litert", quantize
     """A converted bundle of a catalog model in the user cache, converted (with progress) on first use."""
     from litekv.converters.convert import ConvertOptions, convert  # conversion needs litekv[convert]
 
-    path = cache_dir() / "bundles" / f"{name}-{backend}-{quantize}-{max_context}"
+    path = cache_dir() / "bundles" / f"{name}-{backend}-{quantize}-{max_context}-v{BUNDLE_VERSION}"
     if not (path / "litekv.json").exists():
         source = checkpoint_path(name)
         print(f"litekv: preparing {name} as a {backend} {quantize} bundle (first use only)...", file=sys.stderr)

@@ -177,8 +177,10 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             self._pool.adopt(kv_cache)  # caches made elsewhere (deep_copy, load) too
             buffers = {}
             for layer in range(self.config.num_layers):
-                buffers[f"kv_cache_k_{layer}"] = HostTensorBuffer(kv_cache.raw_keys(layer)[row:row + 1, :capacity])
-                buffers[f"kv_cache_v_{layer}"] = HostTensorBuffer(kv_cache.raw_values(layer)[row:row + 1, :capacity])
+                for kind, raw in (("k", kv_cache.raw_keys(layer)), ("v", kv_cache.raw_values(layer))):
+                    # The model's cache tensors are [1,S,KVH*D]: the same memory seen as rows.
+                    buffers[f"kv_cache_{kind}_{layer}"] = HostTensorBuffer(
+                        raw[row:row + 1, :capacity].reshape(1, capacity, -1))
             kv_cache.bindings[key] = buffers
         return kv_cache.bindings[key]
 
