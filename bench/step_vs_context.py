@@ -1,4 +1,5 @@
-"""Decode step time against the live context, for both backends and every precision.
+"""Decode step time against the live context, for both backends and every precision (ONNX also
+with an int8 KV cache).
 
 Each executor is opened on a bundle with max context 4096 and prefilled once; the cache is then
 rewound (the rows below stay valid) so that the measured step's token is the L-th: it writes row
@@ -20,9 +21,9 @@ from litekv.executor import open_executor
 LIVE = (64, 128, 256, 512, 1024, 2048, 3072, 4096)
 
 
-def sweep(backend: str, quantize: str, threads: int, steps: int) -> dict[int, float]:
+def sweep(backend: str, quantize: str, threads: int, steps: int, kv_cache: str = "fp32") -> dict[int, float]:
     """Median step milliseconds at each live length."""
-    ex = open_executor(smollm2_bundle(backend, quantize), threads=threads)
+    ex = open_executor(smollm2_bundle(backend, quantize, kv_cache=kv_cache), threads=threads)
     cache = ex.create_kv_cache()
     ex.prefill(np.arange(max(LIVE) - 1) % 40000 + 100, cache)
     return {live: 1e3 * rewound_step_seconds(ex, cache, live - 1, steps) for live in LIVE}
@@ -35,7 +36,7 @@ def plot(results: dict[str, dict[int, float]], path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, times in results.items():
-        style = "-" if label.startswith("litert") else "--"
+        style = "-" if label.startswith("litert") else (":" if label.endswith("kvint8") else "--")
         ax.plot(list(times), list(times.values()), style, marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(LIVE, [str(n) for n in LIVE])
@@ -56,10 +57,12 @@ def main() -> None:
     parser.add_argument("--quantize", default="fp32,int8,int4")
     args = parser.parse_args()
     results = {}
-    for backend in ("litert", "onnx"):
+    # ONNX also with an int8 KV cache (--kv-cache int8): a quarter of the KV bytes per step.
+    for backend, kv_cache in (("litert", "fp32"), ("onnx", "fp32"), ("onnx", "int8")):
         for quantize in args.quantize.split(","):
-            print(f"{backend} {quantize} ...", file=sys.stderr, flush=True)
-            results[f"{backend}-{quantize}"] = sweep(backend, quantize, args.threads, args.steps)
+            label = f"{backend}-{quantize}" + ("" if kv_cache == "fp32" else f"-kv{kv_cache}")
+            print(f"{label} ...", file=sys.stderr, flush=True)
+            results[label] = sweep(backend, quantize, args.threads, args.steps, kv_cache)
     rows = [[label, *(f"{t:.2f}" for t in times.values()), f"{times[2048] / times[64]:.2f}"]
             for label, times in results.items()]
     print(markdown_table(["system", *(f"{n} tok ms" for n in LIVE), "2048 / 64 (target <= 1.25)"], rows))

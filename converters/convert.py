@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from litekv.bundle import BACKENDS, MANIFEST, Manifest, SignatureInfo, write_atomic
+from litekv.bundle import BACKENDS, KV_CACHE_FORMATS, MANIFEST, Manifest, SignatureInfo, write_atomic
 from litekv.errors import ConfigError, LitekvError
 from litekv.models.config import ModelConfig
 
@@ -43,6 +43,7 @@ class ConvertOptions:
     lm_head: str | None = None
     embedding: str | None = None
     sampler: bool = True
+    kv_cache: str = "fp32"  # "int8": ONNX only, static per-channel scales calibrated at conversion
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -66,6 +67,11 @@ class ConvertOptions:
             b = list(self.kv_buckets)
             if b != sorted(set(b)) or b[-1] != self.max_context or b[0] <= 0:
                 raise ConfigError(f"KV buckets must increase and end at the max context {self.max_context}, got {b}.")
+        if self.kv_cache not in KV_CACHE_FORMATS:
+            raise ConfigError(f"unknown KV cache format {self.kv_cache!r}; choose one of {', '.join(KV_CACHE_FORMATS)}.")
+        if self.kv_cache == "int8" and self.backend != "onnx":
+            raise ConfigError("an int8 KV cache needs --backend onnx (onnxruntime's GroupQueryAttention stores it); "
+                              "use --kv-cache fp32 with LiteRT.")
         QuantPlan.named(self.quantize, self.lm_head, self.embedding)  # validates the head/table choices
 
     @property
@@ -189,14 +195,21 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
 
         # The plain graph always; a LoRA-ready bundle adds a LoRA graph over the same weight file, so
         # running without an adapter costs exactly what a model converted without LoRA costs.
-        model, _ = emit_onnx(cfg, ckpt.weights, plan, None, options.max_context)
+        kv_scales = None
+        if options.kv_cache == "int8":
+            from .kv_calibration import int8_kv_scales
+
+            kv_scales = int8_kv_scales(cfg, ckpt.weights, ckpt.tokenizer)
+            bar.stage("calibrating int8 KV")(1, 1, "")
+        model, _ = emit_onnx(cfg, ckpt.weights, plan, None, options.max_context, kv_scales=kv_scales)
         bar.stage("tracing graph")(1, 1, f"{len(model.graph.node)} nodes")
         onnx.save_model(model, str(staging / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
                         location="model.onnx.data", size_threshold=1024)
         graphs = [("model", model, False)]
         groups = {}
         if options.lora is not None:
-            lora_model, groups = emit_onnx(cfg, ckpt.weights, plan, options.lora, options.max_context)
+            lora_model, groups = emit_onnx(cfg, ckpt.weights, plan, options.lora, options.max_context,
+                                           kv_scales=kv_scales)
             share_external_data(lora_model, str(staging / "model.onnx"))
             onnx.save_model(lora_model, str(staging / "model_lora.onnx"))
             graphs.append(("model_lora", lora_model, True))
@@ -213,7 +226,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
     return Manifest(
         backend=options.backend, model_file=model_file, config=cfg, max_context=options.max_context,
         prefill_lengths=tuple(sorted(set(options.prefill_lengths))), kv_buckets=options.buckets(),
-        kv_layout=layout, kv_dtype="float32", quantization=plan.to_dict(), lora_rank=options.lora_rank,
+        kv_layout=layout, kv_dtype="int8" if options.kv_cache == "int8" else "float32", quantization=plan.to_dict(), lora_rank=options.lora_rank,
         lora_targets=tuple(options.lora_targets) if options.lora_rank else (), signatures=infos,
         fingerprint=fingerprint(cfg, ckpt.weights, plan), chat_template=tok.chat_template,
         bos_token_id=tok.bos_token_id, eos_token_ids=tuple(tok.eos_token_ids), sampler_file=sampler_file,
@@ -242,6 +255,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-buckets", help="comma-separated KV capacities (TFLite), ending at --max-context")
     parser.add_argument("--lora-rank", type=int, help="add LoRA inputs of this rank on q, k, v and o")
     parser.add_argument("--no-sampler", action="store_true", help="omit the in-graph sampling entry points")
+    parser.add_argument("--kv-cache", choices=KV_CACHE_FORMATS, default="fp32",
+                        help="KV cache precision; int8 (ONNX only) reads a quarter of the bytes per step")
 
 
 def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
@@ -258,7 +273,7 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
         backend=args.backend, quantize=args.quantize, max_context=args.max_context,
         prefill_lengths=_ints(args.prefill_lengths, "--prefill-lengths"), lora_rank=args.lora_rank,
         kv_buckets=_ints(args.kv_buckets, "--kv-buckets"), lm_head=args.lm_head, embedding=args.embedding,
-        sampler=not args.no_sampler,
+        sampler=not args.no_sampler, kv_cache=args.kv_cache,
     )
 
 

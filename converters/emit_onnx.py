@@ -28,13 +28,15 @@ IR_VERSION = 10
 OPSET = 21
 _BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div"}
 _ONNX_DTYPE = {"float32": TensorProto.FLOAT, "int32": TensorProto.INT32, "int64": TensorProto.INT64,
-               "float16": TensorProto.FLOAT16}
+               "float16": TensorProto.FLOAT16, "int8": TensorProto.INT8}
+_GQA_K_SCALE = 12  # GroupQueryAttention's k_scale input; v_scale follows
 
 
 class OnnxOps(GraphOps):
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan, sig: Signature,
-                 lora: LoraSpec | None, tables):
+                 lora: LoraSpec | None, tables, kv_scales: tuple[np.ndarray, np.ndarray] | None = None):
         super().__init__(cfg, weights, plan, sig, lora, tables)
+        self.kv_scales = kv_scales  # (keys, values) [layers, KVH, D]: an int8 cache; None: float32
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -267,8 +269,9 @@ class OnnxOps(GraphOps):
     def attention(self, q: Sym, k: Sym, v: Sym, layer: int, window: int | None, scale: float) -> Sym:
         cfg = self.cfg
         kv_shape = (1, cfg.num_kv_heads, self.capacity, cfg.head_dim)
-        past_k = self.input(f"past_key_{layer}", kv_shape)
-        past_v = self.input(f"past_value_{layer}", kv_shape)
+        kv_dtype = "float32" if self.kv_scales is None else "int8"
+        past_k = self.input(f"past_key_{layer}", kv_shape, kv_dtype)
+        past_v = self.input(f"past_value_{layer}", kv_shape, kv_dtype)
         rotary = q.rotary
         packed = self._packed_qkv(q, k, v)
         if packed is not None:  # GQA splits the fused projection itself; the slices go unused
@@ -278,13 +281,23 @@ class OnnxOps(GraphOps):
         inputs = [*qkv, past_k.ref, past_v.ref, self.seqlens.ref, self.total.ref]
         if rotary is not None:  # positions come from seqlens_k: the chunk sits right after the cache
             inputs += list(self._rotary_cache(rotary))
+        quant = {}
+        if self.kv_scales is not None:  # int8 K/V = code * scale, one scale per (KV head, channel)
+            inputs += [""] * (_GQA_K_SCALE - len(inputs))
+            for kind, scales in zip(("k", "v"), self.kv_scales):
+                name = f"kv_scale_{kind}_{layer}"
+                array = scales[layer].reshape(1, cfg.num_kv_heads, 1, cfg.head_dim).astype(np.float32)
+                self.initializers.append(numpy_helper.from_array(array, name))
+                inputs.append(name)
+            quant = dict(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
         out, present_k, present_v = (self._name("attn"), f"present_key_{layer}", f"present_value_{layer}")
         self.nodes.append(helper.make_node(
             "GroupQueryAttention", inputs, [out, present_k, present_v], domain="com.microsoft",
             num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads, scale=float(scale),
-            local_window_size=window if window else -1, do_rotary=int(rotary is not None), rotary_interleaved=0))
+            local_window_size=window if window else -1, do_rotary=int(rotary is not None), rotary_interleaved=0,
+            **quant))
         for name in (present_k, present_v):
-            self.outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, list(kv_shape)))
+            self.outputs.append(helper.make_tensor_value_info(name, _ONNX_DTYPE[kv_dtype], list(kv_shape)))
         return Sym(out, (1, T_DIM, cfg.num_heads * cfg.head_dim))
 
     def _drop_unused(self) -> None:
@@ -341,12 +354,14 @@ def _broadcast(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
 
 
 def emit_onnx(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan, lora: LoraSpec | None,
-              max_context: int, progress: Callable[[str], None] | None = None) -> onnx.ModelProto:
-    """Trace the architecture once into an ONNX model with a dynamic token axis."""
+              max_context: int, progress: Callable[[str], None] | None = None,
+              kv_scales: tuple[np.ndarray, np.ndarray] | None = None) -> onnx.ModelProto:
+    """Trace the architecture once into an ONNX model with a dynamic token axis; with
+    `kv_scales` (see kv_calibration) the KV cache is int8."""
     weights = dict(weights)
     weights.setdefault("lm_head.weight", weights["embed.weight"])
     sig = Signature("model", T_DIM, max_context, lora=lora is not None)
-    ops = OnnxOps(cfg, weights, plan, sig, lora, rope_tables(cfg, max_context))
+    ops = OnnxOps(cfg, weights, plan, sig, lora, rope_tables(cfg, max_context), kv_scales)
     ops.begin(max_context)
     model = ops.finish(architecture(cfg.architecture).forward(ops, cfg))
     if progress:

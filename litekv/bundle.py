@@ -19,6 +19,7 @@ MANIFEST = "litekv.json"
 FORMAT = "litekv-bundle"
 VERSION = 2  # 2: TFLite KV cache tensors are [1,S,KVH*D]
 BACKENDS = ("litert", "onnx")
+KV_CACHE_FORMATS = ("fp32", "int8")
 
 
 class BundleError(LitekvError):

@@ -82,15 +82,15 @@ class KVCache:
 
     @classmethod
     def allocate(cls, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 layout: str = "BSHD") -> "KVCache":
+                 layout: str = "BSHD", dtype: str = "float32") -> "KVCache":
         if layout not in LAYOUTS:
             raise ConfigError(f"unknown KV layout {layout!r}; choose one of {LAYOUTS}.")
         if min(num_layers, batch_size, num_kv_heads, head_dim, capacity) <= 0:
             raise ConfigError("KV cache dimensions and batch size must be positive.")
         shape = ((batch_size, capacity, num_kv_heads, head_dim) if layout == "BSHD"
                  else (batch_size, num_kv_heads, capacity, head_dim))
-        return cls(_Storage([aligned_zeros(shape) for _ in range(num_layers)],
-                            [aligned_zeros(shape) for _ in range(num_layers)], layout, next(_ids)))
+        return cls(_Storage([aligned_zeros(shape, dtype) for _ in range(num_layers)],
+                            [aligned_zeros(shape, dtype) for _ in range(num_layers)], layout, next(_ids)))
 
     @classmethod
     def from_buffers(cls, keys: list[np.ndarray], values: list[np.ndarray], layout: str,

@@ -53,9 +53,10 @@ def reference() -> ReferenceModel:
 
 
 @lru_cache(maxsize=None)
-def bundle(backend: str, quantize: str) -> Path:
-    options = ConvertOptions(backend=backend, quantize=quantize, max_context=MAX_CONTEXT, prefill_lengths=(32, 128))
-    return convert(smollm2_gguf(), _ROOT / f"{backend}-{quantize}", options)
+def bundle(backend: str, quantize: str, kv_cache: str = "fp32") -> Path:
+    options = ConvertOptions(backend=backend, quantize=quantize, max_context=MAX_CONTEXT, prefill_lengths=(32, 128),
+                             kv_cache=kv_cache)
+    return convert(smollm2_gguf(), _ROOT / f"{backend}-{quantize}-kv{kv_cache}", options)
 
 
 def greedy(executor, prompt: list[int], steps: int) -> list[int]:
@@ -132,6 +133,15 @@ def test_quantized_agreement_and_coherent_answer(backend, quantize, target, reco
         answer = checkpoint().tokenizer.decode(greedy(ex, chat_ids(question), 48))
         print(f"  {question} -> {answer!r}")
         assert expected in answer
+
+
+@pytest.mark.parametrize("quantize, target", [("fp32", 0.95), ("int4", 0.90)])
+def test_int8_kv_cache_agreement(quantize, target):
+    ex = open_executor(bundle("onnx", quantize, "int8"))
+    assert ex.create_kv_cache().dtype == np.int8
+    steps, after_prefill = top1_agreement(ex), prefill_top1_agreement(ex)
+    print(f"onnx {quantize} with int8 KV: top-1 agreement {steps:.1%} stepping, {after_prefill:.1%} after prefill")
+    assert steps >= target and after_prefill >= target
 
 
 def test_bundle_sizes_shrink_with_quantization():

@@ -98,7 +98,8 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
     # ---- caches and bindings -------------------------------------------------------------------
     def create_kv_cache(self, batch_size: int = 1) -> KVCache:
         cfg = self.config
-        return KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, self.max_context, "BHSD")
+        return KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, self.max_context, "BHSD",
+                                self.manifest.kv_dtype)
 
     def _binding(self, kv_cache: KVCache, row: int, session) -> "_RowBinding":
         """IO binding of one batch row for one graph, with its K/V bound in place (memoized on the cache)."""
