@@ -35,12 +35,15 @@ int main(int argc, char **argv) {
         {
             __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
 #pragma omp for
-            for (size_t i = 0; i < n; i += 32) {
-                if (ahead) _mm_prefetch((const char *)(a + i + ahead), _MM_HINT_T0);
-                s0 = _mm256_add_ps(s0, _mm256_load_ps(a + i));
-                s1 = _mm256_add_ps(s1, _mm256_load_ps(a + i + 8));
-                s2 = _mm256_add_ps(s2, _mm256_load_ps(a + i + 16));
-                s3 = _mm256_add_ps(s3, _mm256_load_ps(a + i + 24));
+            for (size_t i = 0; i < n; i += 64) {  /* one 256-byte step: 4 cache lines */
+                if (ahead) {
+                    _mm_prefetch((const char *)(a + i + ahead), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(a + i + ahead + 32), _MM_HINT_T0);
+                }
+                s0 = _mm256_add_ps(s0, _mm256_add_ps(_mm256_load_ps(a + i), _mm256_load_ps(a + i + 32)));
+                s1 = _mm256_add_ps(s1, _mm256_add_ps(_mm256_load_ps(a + i + 8), _mm256_load_ps(a + i + 40)));
+                s2 = _mm256_add_ps(s2, _mm256_add_ps(_mm256_load_ps(a + i + 16), _mm256_load_ps(a + i + 48)));
+                s3 = _mm256_add_ps(s3, _mm256_add_ps(_mm256_load_ps(a + i + 24), _mm256_load_ps(a + i + 56)));
             }
             float lanes[8];
             _mm256_storeu_ps(lanes, _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));

@@ -1,6 +1,6 @@
 """What this machine's memory sustains for reads, as the yardstick for the decode kernels.
 
-Compiles bench/memory_bandwidth.c (a 2-thread AVX2 read loop; needs a C compiler, which the
+Compiles bench/memory_bandwidth.c (a 2-thread AVX2 read loop built for this CPU; needs a C compiler, which the
 llama.cpp peer build needs too) and reads arrays the size of SmolLM2's int8 weights (134 MB), its
 fp32 weights (540 MB) and a larger one, without and with software prefetch. Arrays that fit the
 260 MB L3 partly come from cache, so the 540 MB figure is the DRAM rate an fp32 decode step meets.
@@ -30,7 +30,7 @@ def build(directory: Path) -> Path:
     if compiler is None:
         sys.exit("memory_bandwidth: no C compiler found (install gcc, or set CC)")
     binary = directory / "memory_bandwidth"
-    subprocess.run([compiler, "-O2", "-mavx2", "-fopenmp", str(SOURCE), "-o", str(binary)], check=True)
+    subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", str(SOURCE), "-o", str(binary)], check=True)
     return binary
 
 
