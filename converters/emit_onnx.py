@@ -198,15 +198,18 @@ class OnnxOps(GraphOps):
         from 93% to 57%). Each row is therefore divided by its own max |x| first and the output rows
         multiplied back: per-token quantization, as XNNPACK does."""
         q, scales = int8_per_channel(w)
-        y_of = lambda a: self._node("DynamicQuantizeMatMul", [a, self._weight(weight, lambda: q.T),
-                                                              self._weight(weight + ".scales", lambda: scales)],
-                                    shape, domain="com.microsoft")
+
+        def quantized_matmul(a: Sym) -> Sym:
+            return self._node("DynamicQuantizeMatMul", [a, self._weight(weight, lambda: q.T),
+                                                        self._weight(weight + ".scales", lambda: scales)],
+                              shape, domain="com.microsoft")
+
         if x.shape[-2] == 1:  # one row: the tensor scale is the row scale already
-            return y_of(x)
+            return quantized_matmul(x)
         row_max = self._node("ReduceMax", [self._node("Abs", [x], x.shape), self._ints([-1])],
                              (*x.shape[:-1], 1), keepdims=1)
         row_max = self._node("Max", [row_max, self.const(np.array(1e-30, np.float32))], row_max.shape)  # zero rows
-        return self._node("Mul", [y_of(self._node("Div", [x, row_max], x.shape)), row_max], shape)
+        return self._node("Mul", [quantized_matmul(self._node("Div", [x, row_max], x.shape)), row_max], shape)
 
     def matmul_const(self, x: Sym, name: str, w: np.ndarray) -> Sym:
         return self._node("MatMul", [x, self._weight(name, lambda: np.asarray(w.T, np.float32))],
