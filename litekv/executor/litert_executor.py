@@ -19,6 +19,7 @@ from litekv.catalog import cache_dir
 from litekv.errors import AcceleratorUnavailable
 from litekv.kv_cache import KVCache, aligned_zeros
 from litekv.litert_capi import CompiledTFLiteModel, HostTensorBuffer
+from litekv.resident_pages import release_file_pages
 
 from .base import ExternalSamplerExecutor, InternalSamplerExecutor, SamplerParams
 from .lora import LoraAdapter, lora_inputs
@@ -137,6 +138,8 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
                 errors.append(e)
         else:
             raise errors[-1]
+        if self.accelerator == "cpu":  # XNNPACK reads its packed copy; the model file pages it read are idle
+            release_file_pages(path)
         cfg = self.config
         self.buckets = manifest.kv_buckets
         self._sliding = "sliding" in cfg.layer_types
