@@ -11,7 +11,6 @@ is what attention, norms, RoPE, the KV update and per-op dispatch cost.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import threading
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import markdown_table, rewound_step_seconds, save, smollm2_bundle
+from common import markdown_table, median_time, rewound_step_seconds, save, smollm2_bundle
 from litekv.converters.quantize import int4_blockwise_asymmetric, int8_per_channel
 from litekv.converters.tflite_writer import PerChannelQuant, TFLiteModelWriter
 from litekv.executor import open_executor
@@ -107,15 +106,9 @@ def time_linears(path: Path, threads: int, runs: int) -> float:
     x, y = aligned_zeros((1, HIDDEN)), aligned_zeros((1, VOCAB))
     x[:] = 0.1
     run = model.bind("main", {"x": HostTensorBuffer(x)}, {"logits": HostTensorBuffer(y)})
-    for _ in range(5):
-        run()
-    samples = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - start)
+    seconds = median_time(run, runs, warmup=5)
     model.close()
-    return statistics.median(samples)
+    return seconds
 
 
 def decode_step(precision: str, threads: int, runs: int, live: int = 256) -> float:

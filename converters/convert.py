@@ -226,7 +226,8 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
     return Manifest(
         backend=options.backend, model_file=model_file, config=cfg, max_context=options.max_context,
         prefill_lengths=tuple(sorted(set(options.prefill_lengths))), kv_buckets=options.buckets(),
-        kv_layout=layout, kv_dtype="int8" if options.kv_cache == "int8" else "float32", quantization=plan.to_dict(), lora_rank=options.lora_rank,
+        kv_layout=layout, kv_dtype="int8" if options.kv_cache == "int8" else "float32",
+        quantization=plan.to_dict(), lora_rank=options.lora_rank,
         lora_targets=tuple(options.lora_targets) if options.lora_rank else (), signatures=infos,
         fingerprint=fingerprint(cfg, ckpt.weights, plan), chat_template=tok.chat_template,
         bos_token_id=tok.bos_token_id, eos_token_ids=tuple(tok.eos_token_ids), sampler_file=sampler_file,

@@ -10,17 +10,10 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-VENV="$HERE/.venv"
-PYTHON="${PYTHON:-python3}"
+source "$HERE/peer_venv.sh"
 LLAMA_CPP_VERSION="${LLAMA_CPP_VERSION:-0.3.36}"
 
-if [ ! -x "$VENV/bin/python" ]; then
-    echo "creating $VENV"
-    "$PYTHON" -m venv "$VENV"
-else
-    echo "reusing $VENV"
-fi
-PY="$VENV/bin/python"
+peer_venv "$HERE/.venv"
 
 has() { "$PY" -c "import $1" >/dev/null 2>&1; }
 

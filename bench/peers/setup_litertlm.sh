@@ -14,23 +14,13 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-VENV="$HERE/.venv-litertlm"
-PYTHON="${PYTHON:-python3}"
+source "$HERE/peer_venv.sh"
 LITERT_LM_VERSION="${LITERT_LM_VERSION:-0.18.1}"
 LITERT_TORCH_VERSION="${LITERT_TORCH_VERSION:-0.10.0}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 TENSORFLOW_VERSION="${TENSORFLOW_VERSION:-2.21.0}"
 
-if [ ! -x "$VENV/bin/python" ]; then
-    echo "creating $VENV"
-    "$PYTHON" -m venv "$VENV"
-    "$VENV/bin/python" -m pip install --quiet --upgrade pip
-else
-    echo "reusing $VENV"
-fi
-PY="$VENV/bin/python"
-# Keeps the venv out of git (bench/peers/.gitignore lists only .venv/).
-[ -f "$VENV/.gitignore" ] || echo "*" > "$VENV/.gitignore"
+peer_venv "$HERE/.venv-litertlm" --upgrade-pip
 
 # Every module the runner and the exporter import; if all are installed, there is nothing to do
 # (find_spec instead of import: importing TensorFlow alone takes ~15 s).

@@ -12,17 +12,10 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-VENV="$HERE/.venv-ortgenai"
-PYTHON="${PYTHON:-python3}"
+source "$HERE/peer_venv.sh"
 ORTGENAI_VERSION="${ORTGENAI_VERSION:-0.18.0}"
 
-if [ ! -x "$VENV/bin/python" ]; then
-    echo "creating $VENV"
-    "$PYTHON" -m venv "$VENV"
-else
-    echo "reusing $VENV"
-fi
-PY="$VENV/bin/python"
+peer_venv "$HERE/.venv-ortgenai"
 
 # Pins: the runtime, and the builder's dependencies at the versions this peer was built and checked with
 # (torch/transformers match the main interpreter's, so the HF export is read by the same transformers).
