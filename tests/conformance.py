@@ -1,8 +1,10 @@
 """Shared fixtures of the conformance suite: tiny bundles of every architecture for every backend."""
 from __future__ import annotations
 
+import atexit
 from functools import lru_cache
 from pathlib import Path
+import shutil
 import tempfile
 
 import numpy as np
@@ -17,7 +19,17 @@ BACKENDS = ("litert", "onnx")
 MAX_CONTEXT = 64
 PREFILL_LENGTHS = (4, 8)
 KV_BUCKETS = (16, 32, 64)
-_ROOT = Path(tempfile.mkdtemp(prefix="litekv-conformance-"))
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A temporary directory for the bundles of one test session, removed when the session ends
+    (each SmolLM2 session converts about 2.5 GB)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+_ROOT = scratch_dir("litekv-conformance-")
 
 
 def relative_error(ours: np.ndarray, theirs: np.ndarray) -> float:

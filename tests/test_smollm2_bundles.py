@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from pathlib import Path
-import tempfile
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from litekv.converters.checkpoint import load_checkpoint
 from litekv.converters.convert import ConvertOptions, convert
 from litekv.executor import open_executor
 from litekv.reference import ReferenceModel
+from conformance import scratch_dir
 from real_models import smollm2_gguf
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
@@ -38,7 +38,7 @@ CHAT_PROMPTS = ("What is the capital of France?", "Write one sentence about the 
 # "typically", 0.05 apart) were dropped for that reason.
 COHERENCE = (("How many days are in a week?", "7 days"), ("What is the opposite of hot?", "cold"))
 MIN_MARGIN = 0.5  # logits between the fp32 top-1 and top-2 tokens
-_ROOT = Path(tempfile.mkdtemp(prefix="litekv-smollm2-"))
+_ROOT = scratch_dir("litekv-smollm2-")
 
 
 @lru_cache(maxsize=None)
