@@ -40,6 +40,7 @@ class ConvertOptions:
     lora_rank: int | None = None
     lora_targets: tuple[str, ...] = LORA_TARGETS
     kv_buckets: tuple[int, ...] | None = None  # TFLite capacity buckets; default doubles from 256
+    decode_buckets: tuple[int, ...] | None = None  # TFLite one-token buckets; default: kv_buckets refined
     lm_head: str | None = None
     embedding: str | None = None
     sampler: bool = True
@@ -63,10 +64,11 @@ class ConvertOptions:
         unknown = set(self.lora_targets) - set(LORA_TARGETS)
         if unknown:
             raise ConfigError(f"unknown LoRA targets {sorted(unknown)}; choose from {', '.join(LORA_TARGETS)}.")
-        if self.kv_buckets is not None:
-            b = list(self.kv_buckets)
+        for flag, buckets in (("KV", self.kv_buckets), ("decode", self.decode_buckets)):
+            b = list(buckets or [self.max_context])
             if b != sorted(set(b)) or b[-1] != self.max_context or b[0] <= 0:
-                raise ConfigError(f"KV buckets must increase and end at the max context {self.max_context}, got {b}.")
+                raise ConfigError(f"{flag} buckets must increase and end at the max context {self.max_context}, "
+                                  f"got {b}.")
         if self.kv_cache not in KV_CACHE_FORMATS:
             raise ConfigError(f"unknown KV cache format {self.kv_cache!r}; choose one of {', '.join(KV_CACHE_FORMATS)}.")
         if self.kv_cache == "int8" and self.backend != "onnx":
@@ -83,6 +85,10 @@ class ConvertOptions:
         return None if self.lora_rank is None else LoraSpec(self.lora_rank, tuple(self.lora_targets))
 
     def buckets(self) -> tuple[int, ...]:
+        """Every capacity some entry point is compiled for."""
+        return tuple(sorted({*self.prefill_buckets(), *self.one_token_buckets()}))
+
+    def prefill_buckets(self) -> tuple[int, ...]:
         if self.backend == "onnx":  # GroupQueryAttention reads only the valid length
             return (self.max_context,)
         if self.kv_buckets is not None:
@@ -92,6 +98,24 @@ class ConvertOptions:
             out.append(size)
             size *= 2
         return (*out, self.max_context)
+
+    def one_token_buckets(self) -> tuple[int, ...]:
+        """Capacities of the decode and sampling entry points.
+
+        A one-token step's attention reads the whole bucket, about a third of an int8 step at 512
+        slots, so by default these are finer than the prefill buckets: half a bucket is inserted
+        between doublings and 128 below the smallest (a decode at 300 tokens runs in a 384-slot
+        bucket, not 512). They cost little: their activations are one row."""
+        if self.backend == "onnx":
+            return (self.max_context,)
+        if self.decode_buckets is not None:
+            return self.decode_buckets
+        coarse = self.prefill_buckets()
+        if self.kv_buckets is not None:
+            return coarse
+        finer = {b for b in coarse} | {SMALLEST_BUCKET // 2}
+        finer |= {a + (b - a) // 2 for a, b in zip(coarse, coarse[1:]) if b == 2 * a}
+        return tuple(sorted(b for b in finer if b <= self.max_context))
 
 
 def tflite_signatures(opts: ConvertOptions) -> list[Signature]:
@@ -103,14 +127,17 @@ def tflite_signatures(opts: ConvertOptions) -> list[Signature]:
     sigs = []
     for lora in (False, True) if opts.lora_rank is not None else (False,):
         tail = "_lora" if lora else ""
+        prefill, one_token = opts.prefill_buckets(), opts.one_token_buckets()
         for capacity in opts.buckets():
             suffix = ("" if capacity == opts.max_context else f"_s{capacity}") + tail
-            for tokens in sorted(set(opts.prefill_lengths)):
-                if tokens <= capacity:
-                    sigs.append(Signature(f"prefill_{tokens}{suffix}", tokens, capacity, lora, logits=False))
-            sigs.append(Signature(f"decode{suffix}", 1, capacity, lora))
-            if opts.sampler:
-                sigs.append(Signature(f"sample{suffix}", 1, capacity, lora, sampler=True))
+            if capacity in prefill:
+                for tokens in sorted(set(opts.prefill_lengths)):
+                    if tokens <= capacity:
+                        sigs.append(Signature(f"prefill_{tokens}{suffix}", tokens, capacity, lora, logits=False))
+            if capacity in one_token:
+                sigs.append(Signature(f"decode{suffix}", 1, capacity, lora))
+                if opts.sampler:
+                    sigs.append(Signature(f"sample{suffix}", 1, capacity, lora, sampler=True))
     return sigs
 
 
@@ -254,6 +281,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-lengths", default=",".join(map(str, DEFAULT_PREFILL)),
                         help="comma-separated prefill signature lengths")
     parser.add_argument("--kv-buckets", help="comma-separated KV capacities (TFLite), ending at --max-context")
+    parser.add_argument("--decode-buckets", help="comma-separated KV capacities of the one-token entry points "
+                        "(TFLite; default: --kv-buckets, or finer than the default buckets)")
     parser.add_argument("--lora-rank", type=int, help="add LoRA inputs of this rank on q, k, v and o")
     parser.add_argument("--no-sampler", action="store_true", help="omit the in-graph sampling entry points")
     parser.add_argument("--kv-cache", choices=KV_CACHE_FORMATS, default="fp32",
@@ -273,7 +302,8 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
     return ConvertOptions(
         backend=args.backend, quantize=args.quantize, max_context=args.max_context,
         prefill_lengths=_ints(args.prefill_lengths, "--prefill-lengths"), lora_rank=args.lora_rank,
-        kv_buckets=_ints(args.kv_buckets, "--kv-buckets"), lm_head=args.lm_head, embedding=args.embedding,
+        kv_buckets=_ints(args.kv_buckets, "--kv-buckets"),
+        decode_buckets=_ints(args.decode_buckets, "--decode-buckets"), lm_head=args.lm_head, embedding=args.embedding,
         sampler=not args.no_sampler, kv_cache=args.kv_cache,
     )
 

@@ -142,6 +142,14 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             release_file_pages(path)
         cfg = self.config
         self.buckets = manifest.kv_buckets
+        # Capacities per entry point: one-token steps have finer buckets than prefill chunks.
+        self._capacities: dict[str, list[int]] = {}
+        for sig in manifest.signatures:
+            if not sig.lora:
+                base = f"prefill_{sig.tokens}" if sig.kind == "prefill" else sig.kind
+                self._capacities.setdefault(base, []).append(sig.capacity)
+        for capacities in self._capacities.values():
+            capacities.sort()
         self._sliding = "sliding" in cfg.layer_types
         self._io: dict[str, _SignatureIO] = {}
         for sig in manifest.signatures:
@@ -167,8 +175,8 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
 
         Without an adapter the plain entry points run: a LoRA-ready model then costs nothing extra.
         """
-        capacity = next(s for s in self.buckets if s >= end)
         base = f"prefill_{tokens}" if kind == "prefill" else kind
+        capacity = next(s for s in self._capacities[base] if s >= end)
         name = base if capacity == self.max_context else f"{base}_s{capacity}"
         return name + "_lora" if adapter is not None else name
 

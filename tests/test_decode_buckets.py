@@ -1,0 +1,73 @@
+"""One-token entry points have their own, finer capacity buckets than prefill chunks (LiteRT)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conformance import MAX_CONTEXT, PREFILL_LENGTHS, checkpoint_dir, reference, relative_error, scratch_dir
+from litekv.converters.convert import ConvertOptions, convert, tflite_signatures
+from litekv.errors import ConfigError
+from litekv.executor import open_executor
+
+PREFILL_BUCKETS = (32, 64)
+DECODE_BUCKETS = (8, 16, 24, 32, 48, 64)
+
+
+def test_default_decode_buckets_refine_the_prefill_buckets():
+    options = ConvertOptions(max_context=4096, prefill_lengths=(32, 512))
+    assert options.prefill_buckets() == (256, 512, 1024, 2048, 4096)
+    assert options.one_token_buckets() == (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+    names = {s.name for s in tflite_signatures(options)}
+    assert {"decode_s128", "sample_s384", "decode_s3072", "prefill_32_s256", "prefill_512"} <= names
+    assert not {"prefill_32_s128", "prefill_32_s384", "prefill_512_s256"} & names
+
+
+def test_explicit_buckets_are_kept_for_every_entry_point():
+    options = ConvertOptions(max_context=64, prefill_lengths=(8,), kv_buckets=(16, 64))
+    assert options.one_token_buckets() == options.prefill_buckets() == (16, 64)
+    split = ConvertOptions(max_context=64, prefill_lengths=(8,), kv_buckets=(16, 64), decode_buckets=(24, 64))
+    assert split.buckets() == (16, 24, 64)
+    assert ConvertOptions(backend="onnx", max_context=64, prefill_lengths=(8,)).buckets() == (64,)
+
+
+def test_decode_buckets_must_end_at_the_max_context():
+    with pytest.raises(ConfigError, match="decode buckets must increase and end at the max context 64"):
+        ConvertOptions(max_context=64, prefill_lengths=(8,), decode_buckets=(16, 32))
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def split_bucket_executor(request):
+    arch = request.param
+    options = ConvertOptions(backend="litert", max_context=MAX_CONTEXT, prefill_lengths=PREFILL_LENGTHS,
+                             kv_buckets=PREFILL_BUCKETS, decode_buckets=DECODE_BUCKETS)
+    path = convert(checkpoint_dir(arch), scratch_dir("litekv-decode-buckets-") / arch, options)
+    return arch, open_executor(path)
+
+
+def test_steps_run_in_the_smallest_one_token_bucket(split_bucket_executor):
+    _, ex = split_bucket_executor
+    assert ex._signature_name("decode", 17, None) == "decode_s24"
+    assert ex._signature_name("sample", 49, None) == "sample"
+    assert ex._signature_name("prefill", 12, None, tokens=8) == "prefill_8_s32"  # no 16-slot prefill
+
+
+def test_split_buckets_match_the_reference_across_every_boundary(split_bucket_executor):
+    arch, ex = split_bucket_executor
+    ref = reference(arch)
+    prompt = np.random.default_rng(5).integers(3, ex.config.vocab_size, 6)  # 4 + 1 chunks, then steps
+    ours, theirs = ex.create_kv_cache(), ref.create_kv_cache()
+    ex.prefill(prompt, ours)
+    ref.prefill(prompt, theirs)
+    token = int(prompt[-1])
+    while ours.num_tokens < MAX_CONTEXT - 1:  # through the 8, 16, 24, 32 and 48-slot buckets
+        expected = ref.step([token], theirs)
+        assert relative_error(ex.step([token], ours), expected) < 1e-4, ours.num_tokens
+        token = int(np.argmax(expected[0]))
+    prompt = np.random.default_rng(6).integers(3, ex.config.vocab_size, 30)  # a prefill after short steps
+    ours, theirs = ex.create_kv_cache(), ref.create_kv_cache()
+    for t in prompt[:3]:
+        ex.step([int(t)], ours)
+        ref.step([int(t)], theirs)
+    ex.prefill(prompt[3:-1], ours)
+    ref.prefill(prompt[3:-1], theirs)
+    assert relative_error(ex.step([int(prompt[-1])], ours), ref.step([int(prompt[-1])], theirs)) < 1e-4
