@@ -59,6 +59,10 @@ def systems() -> list[System]:
         for quantize, cls in (("fp32", "fp32"), ("int8", "8-bit"), ("int4", "4-bit")):
             out.append(System(f"litekv {label} {quantize}", cls, MAIN_PYTHON,
                               ["bench/peers/run_litekv.py", "--backend", backend, "--quantize", quantize], litekv=True))
+    for quantize, cls in (("fp32", "fp32"), ("int8", "8-bit"), ("int4", "4-bit")):  # ONNX also stores the cache in int8
+        out.append(System(f"litekv ONNX Runtime {quantize} + int8 KV", cls, MAIN_PYTHON,
+                          ["bench/peers/run_litekv.py", "--backend", "onnx", "--quantize", quantize, "--kv-cache", "int8"],
+                          litekv=True))
     from litekv.catalog import checkpoint_path
     q41, f32 = Path(checkpoint_path()), PEER_CACHE / "SmolLM2-135M-Instruct.F32.gguf"
     llama_py = PEERS / ".venv" / "bin" / "python"

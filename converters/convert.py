@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from litekv.bundle import BACKENDS, KV_CACHE_FORMATS, MANIFEST, Manifest, SignatureInfo, write_atomic
+from litekv.bundle import BACKENDS, KV_CACHE_FORMATS, MANIFEST, SAMPLER_SIGNATURE, Manifest, SignatureInfo, write_atomic
 from litekv.errors import ConfigError, LitekvError
 from litekv.models.config import ModelConfig
 
@@ -105,7 +105,7 @@ class ConvertOptions:
         A one-token step's attention reads the whole bucket, about a third of an int8 step at 512
         slots, so by default these are finer than the prefill buckets: half a bucket is inserted
         between doublings and 128 below the smallest (a decode at 300 tokens runs in a 384-slot
-        bucket, not 512). They cost little: their activations are one row."""
+        bucket, not 512), for about 6 MB of memory each."""
         if self.backend == "onnx":
             return (self.max_context,)
         if self.decode_buckets is not None:
@@ -119,7 +119,10 @@ class ConvertOptions:
 
 
 def tflite_signatures(opts: ConvertOptions) -> list[Signature]:
-    """Prefill, decode and sampling entry points for every capacity bucket (suffix-free at max).
+    """Prefill and decode entry points for every capacity bucket (suffix-free at max), and one sampler.
+
+    The sampler takes a decode's logits: a per-bucket decode-and-sample entry point would cost
+    each process about 6 MB (LiteRT's in-memory copy of a one-token graph) for one call saved.
 
     A LoRA-ready model gets each entry point twice, plain and with a `_lora` suffix, so running
     without an adapter costs exactly what a model converted without LoRA costs.
@@ -136,8 +139,8 @@ def tflite_signatures(opts: ConvertOptions) -> list[Signature]:
                         sigs.append(Signature(f"prefill_{tokens}{suffix}", tokens, capacity, lora, logits=False))
             if capacity in one_token:
                 sigs.append(Signature(f"decode{suffix}", 1, capacity, lora))
-                if opts.sampler:
-                    sigs.append(Signature(f"sample{suffix}", 1, capacity, lora, sampler=True))
+    if opts.sampler:  # one small entry point fed from any decode's logits buffer
+        sigs.append(Signature(SAMPLER_SIGNATURE, 1, 0, sampler=True))
     return sigs
 
 
@@ -209,7 +212,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
                              progress=lambda name, n=iter(range(1, len(sigs) + 1)): tick(next(n), len(sigs), name))
         writer.write(staging / "model.tflite")
         bar.stage("writing model.tflite")(1, 1, f"{writer.data_bytes / 1e6:.0f} MB of weights")
-        infos = tuple(SignatureInfo(s.name, "sample" if s.sampler else ("decode" if s.tokens == 1 and s.logits
+        infos = tuple(SignatureInfo(s.name, "sampler" if s.sampler else ("decode" if s.tokens == 1 and s.logits
                                                                          else "prefill"),
                                     s.tokens, s.capacity, s.lora, tuple(sg.inputs), tuple(sg.outputs))
                       for s, sg in zip(sigs, writer.subgraphs))

@@ -298,14 +298,17 @@ class TFLiteOps(GraphOps):
     def finish(self, logits: Sym) -> None:
         for name, sym in self.kv_outputs.items():
             self.sg.add_output(name, sym.ref)
-        if self.sig.sampler:
-            from .sampling_graph import SamplerInputs, emit_sampler
-
-            params = SamplerInputs(*(self.input(n, (1,), dt) for n, dt in SamplerInputs.FIELDS))
-            token = emit_sampler(self, self.reshape(logits, (1, self.cfg.vocab_size)), params)
-            self.sg.add_output("next_token", token.ref)
-        elif self.sig.logits:
+        if self.sig.logits:
             self.sg.add_output("logits", logits.ref)
+
+    def sampler(self) -> None:
+        """The sampler entry point: a decode's logits [1,1,V] + sampler inputs -> `next_token` [1]."""
+        from .sampling_graph import SamplerInputs, emit_sampler
+
+        logits = self.input("logits", (1, 1, self.cfg.vocab_size))
+        params = SamplerInputs(*(self.input(n, (1,), dt) for n, dt in SamplerInputs.FIELDS))
+        token = emit_sampler(self, self.reshape(logits, (1, self.cfg.vocab_size)), params)
+        self.sg.add_output("next_token", token.ref)
 
 
 def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan,
@@ -321,8 +324,11 @@ def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: Quant
     groups = {}
     for sig in signatures:
         ops = TFLiteOps(cfg, store, writer.add_signature(sig.name), sig, lora, tables)
-        ops.begin()
-        ops.finish(forward(ops, cfg))
+        if sig.sampler:
+            ops.sampler()
+        else:
+            ops.begin()
+            ops.finish(forward(ops, cfg))
         groups.update(ops.lora_groups)
         if progress:
             progress(sig.name)

@@ -39,7 +39,7 @@ class Signature:
     """One entry point of a converted model.
 
     tokens: new tokens per call (T); capacity: KV slots it sees (S); lora: takes LoRA inputs;
-    sampler: returns a sampled token id instead of logits; logits: returns logits at all.
+    sampler: the standalone sampler (a decode's logits in, a token id out); logits: returns logits at all.
     """
 
     name: str

@@ -17,7 +17,8 @@ from litekv.models.config import ModelConfig
 
 MANIFEST = "litekv.json"
 FORMAT = "litekv-bundle"
-VERSION = 2  # 2: TFLite KV cache tensors are [1,S,KVH*D]
+VERSION = 3  # 2: TFLite KV cache tensors are [1,S,KVH*D]; 3: one TFLite sampler entry point fed with logits
+SAMPLER_SIGNATURE = "sampler"
 BACKENDS = ("litert", "onnx")
 KV_CACHE_FORMATS = ("fp32", "int8")
 
@@ -29,7 +30,7 @@ class BundleError(LitekvError):
 @dataclass(frozen=True)
 class SignatureInfo:
     name: str
-    kind: str  # prefill | decode | sample
+    kind: str  # prefill | decode | sampler (TFLite); step (ONNX)
     tokens: int  # new tokens per call; -1 = dynamic (ONNX)
     capacity: int  # KV slots the signature sees
     lora: bool

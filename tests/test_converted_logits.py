@@ -57,7 +57,7 @@ def test_bundle_manifest_describes_the_model(backend):
     assert len(manifest.fingerprint) == 32 and manifest.file_sizes[manifest.model_file] > 0
     names = {s.name for s in manifest.signatures}
     if backend == "litert":
-        assert {"decode", "prefill_4", "prefill_8", "decode_s16", "prefill_8_s16", "sample_s32"} <= names
+        assert {"decode", "prefill_4", "prefill_8", "decode_s16", "prefill_8_s16", "sampler"} <= names
         decode = manifest.signature("decode")
         assert "kv_cache_k_0" in decode.inputs and "kv_cache_k_0" in decode.outputs and "mask" in decode.inputs
     else:

@@ -18,8 +18,9 @@ def test_default_decode_buckets_refine_the_prefill_buckets():
     assert options.prefill_buckets() == (256, 512, 1024, 2048, 4096)
     assert options.one_token_buckets() == (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
     names = {s.name for s in tflite_signatures(options)}
-    assert {"decode_s128", "sample_s384", "decode_s3072", "prefill_32_s256", "prefill_512"} <= names
+    assert {"decode_s128", "decode_s384", "decode_s3072", "prefill_32_s256", "prefill_512", "sampler"} <= names
     assert not {"prefill_32_s128", "prefill_32_s384", "prefill_512_s256"} & names
+    assert not [n for n in names if n.startswith("sample_")]  # one sampler serves every bucket
 
 
 def test_explicit_buckets_are_kept_for_every_entry_point():
@@ -47,7 +48,7 @@ def split_bucket_executor(request):
 def test_steps_run_in_the_smallest_one_token_bucket(split_bucket_executor):
     _, ex = split_bucket_executor
     assert ex._signature_name("decode", 17, None) == "decode_s24"
-    assert ex._signature_name("sample", 49, None) == "sample"
+    assert ex._signature_name("decode", 49, None) == "decode"
     assert ex._signature_name("prefill", 12, None, tokens=8) == "prefill_8_s32"  # no 16-slot prefill
 
 

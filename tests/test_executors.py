@@ -430,11 +430,12 @@ def test_caches_created_and_dropped_repeatedly_stay_correct(backend):
         del garbage
 
 
-def test_bundle_without_in_graph_sampler_samples_on_the_host(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bundle_without_in_graph_sampler_samples_on_the_host(tmp_path, backend):
     from litekv.converters.convert import ConvertOptions, convert
     from litekv.executor import open_executor
 
-    options = ConvertOptions(backend="onnx", max_context=64, prefill_lengths=(8,), sampler=False)
+    options = ConvertOptions(backend=backend, max_context=64, prefill_lengths=(8,), sampler=False)
     ex = open_executor(convert(checkpoint_dir(ARCH), tmp_path / "b", options))
     sampler = SamplerParams(temperature=0.8, top_k=40, top_p=0.95, seed=1234)
     ours, theirs = ex.create_kv_cache(), reference(ARCH).create_kv_cache()

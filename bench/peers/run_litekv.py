@@ -38,13 +38,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=("litert", "onnx"), required=True)
     parser.add_argument("--quantize", choices=("fp32", "int8", "int4"), required=True)
+    parser.add_argument("--kv-cache", choices=("fp32", "int8"), default="fp32", help="KV cache precision (int8: ONNX)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--passage", type=Path, default=None, help="passage.json: also report passage_argmax")
     parser.add_argument("--save", default=None, help="also write results/NAME.json")
     args = parser.parse_args()
 
-    bundle = smollm2_bundle(args.backend, args.quantize)
+    bundle = smollm2_bundle(args.backend, args.quantize, kv_cache=args.kv_cache)
     load_times, engine = [], None
     for _ in range(args.repeats):
         engine = None
@@ -62,6 +63,7 @@ def main() -> None:
         return cache
 
     result = {"peer": "litekv", "version": litekv.__version__, "backend": args.backend, "quantize": args.quantize,
+              "kv_cache": args.kv_cache,
               "model": bundle.name, "threads": args.threads, "repeats": args.repeats,
               "load_s": load_times[len(load_times) // 2]}
     for n in PREFILL_LENGTHS:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from litekv.bundle import Manifest
+from litekv.bundle import SAMPLER_SIGNATURE, Manifest
 from litekv.catalog import cache_dir
 from litekv.errors import AcceleratorUnavailable
 from litekv.kv_cache import KVCache, aligned_zeros
@@ -23,6 +23,7 @@ from litekv.resident_pages import release_file_pages
 
 from .base import ExternalSamplerExecutor, InternalSamplerExecutor, SamplerParams
 from .lora import LoraAdapter, lora_inputs
+from .numpy_executor import host_sample
 from .prefill_plan import Chunk
 
 MASKED = np.finfo(np.float32).min
@@ -31,20 +32,13 @@ MASKED = np.finfo(np.float32).min
 class _SignatureIO:
     """Host buffers of one signature's small inputs and outputs (shared by every cache)."""
 
-    def __init__(self, name: str, tokens: int, capacity: int, vocab: int, sliding: bool, sampler: bool):
+    def __init__(self, name: str, tokens: int, capacity: int, vocab: int, sliding: bool):
         self.name, self.tokens, self.capacity = name, tokens, capacity
         self.arrays = {"tokens": aligned_zeros((1, tokens), np.int32), "input_pos": aligned_zeros((tokens,), np.int32),
                        "mask": aligned_zeros((1, 1, tokens, capacity))}
         if sliding:
             self.arrays["local_mask"] = aligned_zeros((1, 1, tokens, capacity))
-        self.outputs = {}
-        if sampler:
-            for key, dtype in (("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32),
-                               ("seed", np.int32)):
-                self.arrays[key] = aligned_zeros((1,), dtype)
-            self.outputs["next_token"] = aligned_zeros((1,), np.int32)
-        elif not name.startswith("prefill"):
-            self.outputs["logits"] = aligned_zeros((1, 1, vocab))
+        self.outputs = {} if name.startswith("prefill") else {"logits": aligned_zeros((1, 1, vocab))}
         self.buffers = {k: HostTensorBuffer(v) for k, v in {**self.arrays, **self.outputs}.items()}
 
     def fill(self, tokens: np.ndarray, start: int, window: int | None) -> None:
@@ -63,6 +57,34 @@ class _SignatureIO:
                 local = a["local_mask"][0, 0, row]
                 local[:] = MASKED
                 local[max(0, last - window + 1):last + 1] = 0.0
+
+
+class _SamplerIO:
+    """The sampler entry point: reads a decode's logits where that decode wrote them.
+
+    LiteRT ties a tensor buffer object to one signature, so each decode entry point's logits
+    array gets its own input buffer object here, bound once."""
+
+    PARAMS = (("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32), ("seed", np.int32))
+
+    def __init__(self, model: CompiledTFLiteModel):
+        self.model = model
+        self.params = {key: aligned_zeros((1,), dtype) for key, dtype in self.PARAMS}
+        self.next_token = aligned_zeros((1,), np.int32)
+        self._buffers = {k: HostTensorBuffer(v) for k, v in {**self.params, "next_token": self.next_token}.items()}
+        self._runs: dict[str, object] = {}
+
+    def run(self, decode: _SignatureIO, values: tuple) -> int:
+        run = self._runs.get(decode.name)
+        if run is None:
+            inputs = {"logits": HostTensorBuffer(decode.outputs["logits"]),
+                      **{key: self._buffers[key] for key, _ in self.PARAMS}}
+            run = self._runs[decode.name] = self.model.bind(SAMPLER_SIGNATURE, inputs,
+                                                            {"next_token": self._buffers["next_token"]})
+        for (key, _), value in zip(self.PARAMS, values):
+            self.params[key][0] = value
+        run()
+        return int(self.next_token[0])
 
 
 MAX_WEIGHT_CACHES = 32
@@ -145,7 +167,7 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         # Capacities per entry point: one-token steps have finer buckets than prefill chunks.
         self._capacities: dict[str, list[int]] = {}
         for sig in manifest.signatures:
-            if not sig.lora:
+            if not sig.lora and sig.kind != "sampler":
                 base = f"prefill_{sig.tokens}" if sig.kind == "prefill" else sig.kind
                 self._capacities.setdefault(base, []).append(sig.capacity)
         for capacities in self._capacities.values():
@@ -153,8 +175,10 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         self._sliding = "sliding" in cfg.layer_types
         self._io: dict[str, _SignatureIO] = {}
         for sig in manifest.signatures:
-            self._io[sig.name] = _SignatureIO(sig.name, sig.tokens, sig.capacity, cfg.vocab_size, self._sliding,
-                                              sig.kind == "sample")
+            if sig.kind != "sampler":
+                self._io[sig.name] = _SignatureIO(sig.name, sig.tokens, sig.capacity, cfg.vocab_size, self._sliding)
+        has_sampler = any(sig.kind == "sampler" for sig in manifest.signatures)
+        self._sampler = _SamplerIO(self.model) if has_sampler else None
         self._run_lock = threading.Lock()  # the signature IO buffers are shared by all caches
         self._pool = _KVMemoryPool()
 
@@ -218,12 +242,9 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         return io, kv_cache.bindings[key]
 
     def _run(self, name: str, tokens: np.ndarray, start: int, kv_cache: KVCache, row: int,
-             adapter: LoraAdapter | None, sampler: tuple | None = None) -> _SignatureIO:
+             adapter: LoraAdapter | None) -> _SignatureIO:
         io, run = self._bound_run(name, kv_cache, row, adapter)
         io.fill(tokens, start, self.config.sliding_window)
-        if sampler is not None:
-            for key, value in zip(("temperature", "top_k", "top_p", "seed"), sampler):
-                io.arrays[key][0] = value
         run()
         return io
 
@@ -246,15 +267,17 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
 
     def _sample(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None,
                 sampler: SamplerParams) -> np.ndarray:
-        name = self._signature_name("sample", kv_cache.num_tokens + 1, adapter)
+        if self._sampler is None:  # a bundle converted with --no-sampler: same algorithm on the host
+            return host_sample(self._decode(tokens, kv_cache, adapter), sampler, kv_cache.num_tokens)
+        name = self._signature_name("decode", kv_cache.num_tokens + 1, adapter)
         out = np.empty(kv_cache.batch_size, np.int32)
         greedy = sampler.greedy
         with self._run_lock:
             for row in range(kv_cache.batch_size):
+                io = self._run(name, tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter)
                 params = (1.0 if greedy else sampler.temperature, 1 if greedy else sampler.top_k, sampler.top_p,
                           sampler.seed_for(kv_cache.num_tokens, row))
-                io = self._run(name, tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter, params)
-                out[row] = io.outputs["next_token"][0]
+                out[row] = self._sampler.run(io, params)
         return out
 
     # ---- cancellation ---------------------------------------------------------------------------
