@@ -288,7 +288,14 @@ class SubgraphBuilder:
         if dtype is None and arr.dtype == np.int64:
             arr = arr.astype(np.int32)
         c = self._writer.add_constant(arr, name or f"{self.name}/const{len(self.tensors)}")
-        return self.use(c)
+        if name is not None:
+            return self.use(c)
+        # Equal inline constants share one tensor: LiteRT keeps an in-memory copy of every tensor
+        # of every signature (about 1 KB each), and a layer repeats the same shapes and axes.
+        key = ("inline", c.buffer, c.shape, c.dtype)
+        if key not in self._used:
+            self._used[key] = self.use(c)
+        return self._used[key]
 
     def add_input(self, name: str, shape: Sequence[int], dtype="float32", **kw) -> int:
         """Adds a signature input tensor named ``name``."""

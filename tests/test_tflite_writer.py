@@ -131,6 +131,26 @@ def test_fc_add_softmax_matches_numpy(tmp_path):
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
 
 
+def test_equal_inline_constants_share_one_tensor(tmp_path):
+    """Fewer tensors: LiteRT holds an in-memory copy of each one for the life of the model."""
+    w = TFLiteModelWriter()
+    sg = w.add_signature("main")
+    x = sg.add_input("x", (2, 3))
+    shape_a, shape_b = sg.const(np.array([3, 2], np.int32)), sg.const(np.array([3, 2], np.int32))
+    other = sg.const(np.array([6], np.int32))
+    assert shape_a == shape_b and other != shape_a
+    assert sg.const(np.array([3, 2], np.int32), name="named") != shape_a  # named constants stay apart
+    assert sg.const(np.array([3, 2], np.float32)) != shape_a  # the same values as floats
+    y, z = sg.tensor("y", (3, 2)), sg.tensor("z", (6,))
+    sg.op("RESHAPE", [x, shape_a], [y])
+    sg.op("RESHAPE", [y, other], [z])
+    sg.add_output("z", z)
+    path = tmp_path / "shared.tflite"
+    w.write(path)
+    X = RNG.standard_normal((2, 3)).astype(np.float32)
+    np.testing.assert_array_equal(run(compile_model(path), "main", x=X)["z"], X.reshape(6))
+
+
 def test_two_signatures_share_one_weight_buffer(tmp_path):
     W = RNG.standard_normal((256, 128)).astype(np.float32)  # 128 KiB
 
