@@ -19,7 +19,7 @@ from litekv.catalog import cache_dir
 from litekv.errors import AcceleratorUnavailable
 from litekv.kv_cache import KVCache, aligned_zeros
 from litekv.litert_capi import CompiledTFLiteModel, HostTensorBuffer
-from litekv.resident_pages import release_file_pages
+from litekv.resident_pages import read_only_mappings, release_ranges
 
 from .base import ExternalSamplerExecutor, InternalSamplerExecutor, SamplerParams
 from .lora import LoraAdapter, lora_inputs
@@ -160,8 +160,12 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
                 errors.append(e)
         else:
             raise errors[-1]
-        if self.accelerator == "cpu":  # XNNPACK reads its packed copy; the model file pages it read are idle
-            release_file_pages(path)
+        # On CPU, XNNPACK runs on its packed copy of the weights: the model file pages read while
+        # compiling are idle, and a prefill's embedding rows are not needed after it.
+        self._model_pages = ([(start, end) for start, end, _ in read_only_mappings(path)]
+                             if self.accelerator == "cpu" else [])
+        release_ranges(path, self._model_pages)
+        self._model_path = path
         cfg = self.config
         self.buckets = manifest.kv_buckets
         # Capacities per entry point: one-token steps have finer buckets than prefill chunks.
@@ -255,6 +259,8 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         name = self._signature_name(kind, chunk.start + chunk.length, adapter, chunk.length)
         with self._run_lock:
             self._run(name, tokens, chunk.start, kv_cache, row, adapter)
+            if chunk.length > 1:
+                release_ranges(self._model_path, self._model_pages)
 
     def _decode(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None) -> np.ndarray:
         name = self._signature_name("decode", kv_cache.num_tokens + 1, adapter)
