@@ -7,7 +7,7 @@ unchanged on disk and in the page cache, and a page that is read again faults ba
 
 The model's embedding rows are read from that mapping too, and the kernel maps 64 KB around each
 row it faults in, so each prefill would leave the mapping a little more resident (51 MB of the
-fp32 SmolLM2 file after a 1,024-token prompt); the executor releases it after each prefill chunk.
+fp32 SmolLM2 file after a 1,024-token prompt); the executor releases it after each prefill.
 """
 from __future__ import annotations
 

@@ -41,9 +41,15 @@ def checkpoint_dir(arch: str) -> Path:
     return make_checkpoint(arch, _ROOT / f"ckpt-{arch}", seed=11)
 
 
-@lru_cache(maxsize=None)
 def bundle(arch: str, backend: str, quantize: str = "fp32", lora_rank: int | None = None,
            max_context: int = MAX_CONTEXT) -> Path:
+    # One cache key however the arguments are spelled: a second conversion to the same path would
+    # replace a model file that an executor has mapped.
+    return _bundle(arch, backend, quantize, lora_rank, max_context)
+
+
+@lru_cache(maxsize=None)
+def _bundle(arch: str, backend: str, quantize: str, lora_rank: int | None, max_context: int) -> Path:
     buckets = tuple(b for b in (16, 32, 64, 128, 256, 512) if b < max_context) + (max_context,)
     options = ConvertOptions(backend=backend, quantize=quantize, max_context=max_context,
                              prefill_lengths=PREFILL_LENGTHS, lora_rank=lora_rank,
@@ -52,9 +58,13 @@ def bundle(arch: str, backend: str, quantize: str = "fp32", lora_rank: int | Non
     return convert(checkpoint_dir(arch), _ROOT / name, options)
 
 
-@lru_cache(maxsize=None)
 def executor(arch: str, backend: str, quantize: str = "fp32", lora_rank: int | None = None,
              max_context: int = MAX_CONTEXT):
+    return _executor(arch, backend, quantize, lora_rank, max_context)
+
+
+@lru_cache(maxsize=None)
+def _executor(arch: str, backend: str, quantize: str, lora_rank: int | None, max_context: int):
     return open_executor(bundle(arch, backend, quantize, lora_rank, max_context))
 
 

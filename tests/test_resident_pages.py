@@ -44,12 +44,16 @@ def test_writable_mapping_is_left_alone(tmp_path):
         del view
 
 
-def test_litert_prefill_leaves_no_model_file_pages_resident():
+def test_litert_prefill_leaves_no_model_file_pages_resident(tmp_path):
     """Embedding rows a prefill read (and the 64 KB the kernel maps around each) are given back;
-    the model keeps giving the reference's logits."""
-    from conformance import executor, reference, relative_error
+    the model keeps giving the reference's logits. Its own bundle: no other test maps that file."""
+    from conformance import KV_BUCKETS, MAX_CONTEXT, PREFILL_LENGTHS, checkpoint_dir, reference, relative_error
+    from litekv.converters.convert import ConvertOptions, convert
+    from litekv.executor import open_executor
 
-    ex, ref = executor("llama", "litert"), reference("llama")
+    options = ConvertOptions(backend="litert", max_context=MAX_CONTEXT, prefill_lengths=PREFILL_LENGTHS,
+                             kv_buckets=KV_BUCKETS)
+    ex, ref = open_executor(convert(checkpoint_dir("llama"), tmp_path / "bundle", options)), reference("llama")
     model_file = ex.model.path
     prompt = np.random.default_rng(2).integers(3, ex.config.vocab_size, 13)
     ours, theirs = ex.create_kv_cache(), ref.create_kv_cache()

@@ -252,6 +252,12 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         run()
         return io
 
+    def prefill(self, inputs, kv_cache: KVCache, lora_id: int | None = None) -> None:
+        try:
+            super().prefill(inputs, kv_cache, lora_id)
+        finally:  # the embedding rows it gathered are not needed by the steps that follow
+            release_ranges(self._model_path, self._model_pages)
+
     # ---- hooks -----------------------------------------------------------------------------------
     def _run_prefill_chunk(self, tokens: np.ndarray, chunk: Chunk, kv_cache: KVCache, row: int,
                            adapter: LoraAdapter | None) -> None:
@@ -259,8 +265,6 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         name = self._signature_name(kind, chunk.start + chunk.length, adapter, chunk.length)
         with self._run_lock:
             self._run(name, tokens, chunk.start, kv_cache, row, adapter)
-            if chunk.length > 1:
-                release_ranges(self._model_path, self._model_pages)
 
     def _decode(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None) -> np.ndarray:
         name = self._signature_name("decode", kv_cache.num_tokens + 1, adapter)
