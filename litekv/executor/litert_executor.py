@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -167,7 +168,6 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         release_ranges(path, self._model_pages)
         self._model_path = path
         cfg = self.config
-        self.buckets = manifest.kv_buckets
         # Capacities per entry point: one-token steps have finer buckets than prefill chunks.
         self._capacities: dict[str, list[int]] = {}
         for sig in manifest.signatures:
@@ -252,7 +252,7 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         run()
         return io
 
-    def prefill(self, inputs, kv_cache: KVCache, lora_id: int | None = None) -> None:
+    def prefill(self, inputs: Sequence[int] | np.ndarray, kv_cache: KVCache, lora_id: int | None = None) -> None:
         try:
             super().prefill(inputs, kv_cache, lora_id)
         finally:  # the embedding rows it gathered are not needed by the steps that follow
