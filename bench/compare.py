@@ -55,14 +55,13 @@ class System:
 
 def systems() -> list[System]:
     out = []
-    for backend, label in (("litert", "LiteRT"), ("onnx", "ONNX Runtime")):
+    litekv_bundles = (("litert", "LiteRT", "fp32"), ("onnx", "ONNX Runtime", "fp32"),
+                      ("onnx", "ONNX Runtime", "int8"))  # ONNX also stores the cache in int8
+    for backend, label, kv in litekv_bundles:
         for quantize, cls in (("fp32", "fp32"), ("int8", "8-bit"), ("int4", "4-bit")):
-            out.append(System(f"litekv {label} {quantize}", cls, MAIN_PYTHON,
-                              ["bench/peers/run_litekv.py", "--backend", backend, "--quantize", quantize], litekv=True))
-    for quantize, cls in (("fp32", "fp32"), ("int8", "8-bit"), ("int4", "4-bit")):  # ONNX also stores the cache in int8
-        out.append(System(f"litekv ONNX Runtime {quantize} + int8 KV", cls, MAIN_PYTHON,
-                          ["bench/peers/run_litekv.py", "--backend", "onnx", "--quantize", quantize, "--kv-cache", "int8"],
-                          litekv=True))
+            name = f"litekv {label} {quantize}" + ("" if kv == "fp32" else f" + {kv} KV")
+            out.append(System(name, cls, MAIN_PYTHON, ["bench/peers/run_litekv.py", "--backend", backend,
+                                                       "--quantize", quantize, "--kv-cache", kv], litekv=True))
     from litekv.catalog import checkpoint_path
     q41, f32 = Path(checkpoint_path()), PEER_CACHE / "SmolLM2-135M-Instruct.F32.gguf"
     llama_py = PEERS / ".venv" / "bin" / "python"

@@ -113,7 +113,7 @@ class ConvertOptions:
         coarse = self.prefill_buckets()
         if self.kv_buckets is not None:
             return coarse
-        finer = {b for b in coarse} | {SMALLEST_BUCKET // 2}
+        finer = set(coarse) | {SMALLEST_BUCKET // 2}
         finer |= {a + (b - a) // 2 for a, b in zip(coarse, coarse[1:]) if b == 2 * a}
         return tuple(sorted(b for b in finer if b <= self.max_context))
 
@@ -128,9 +128,9 @@ def tflite_signatures(opts: ConvertOptions) -> list[Signature]:
     without an adapter costs exactly what a model converted without LoRA costs.
     """
     sigs = []
+    prefill, one_token = opts.prefill_buckets(), opts.one_token_buckets()
     for lora in (False, True) if opts.lora_rank is not None else (False,):
         tail = "_lora" if lora else ""
-        prefill, one_token = opts.prefill_buckets(), opts.one_token_buckets()
         for capacity in opts.buckets():
             suffix = ("" if capacity == opts.max_context else f"_s{capacity}") + tail
             if capacity in prefill:

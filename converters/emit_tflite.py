@@ -6,7 +6,8 @@ layers), `kv_cache_k_<i>` / `kv_cache_v_<i>` float32 [1,S,KVH*D] (the host's [1,
 seen as rows: XNNPACK copies a bound tensor it reshapes, so the graph never reshapes the cache for
 decode); outputs the updated caches
 under the same names (written by DYNAMIC_UPDATE_SLICE, so one buffer can be bound in place) and
-`logits` [1,1,V] (decode) or `next_token` int32 [1] (sampling signatures).
+`logits` [1,1,V] (decode). One more entry point, `sampler`, takes a decode's `logits` and the
+sampler inputs and returns `next_token` int32 [1].
 """
 from __future__ import annotations
 

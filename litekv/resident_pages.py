@@ -52,9 +52,24 @@ def release_ranges(path: str | os.PathLike, ranges: list[tuple[int, int]]) -> No
     """Drop the resident pages of ranges `read_only_mappings(path)` found, without parsing smaps
     (about 10 ms): each range is released only while it still maps `path`, checked through
     /proc/self/map_files (microseconds), so memory mapped there since is never touched."""
+    _release(str(Path(path).resolve()), ranges)
+
+
+class FileMappings:
+    """The read-only mappings of one file, found once, whose pages can be given back again and
+    again at the cost of a readlink and an madvise per mapping."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.target = str(Path(path).resolve())
+        self.ranges = [(start, end) for start, end, _ in read_only_mappings(self.target)]
+
+    def release(self) -> None:
+        _release(self.target, self.ranges)
+
+
+def _release(target: str, ranges: list[tuple[int, int]]) -> None:
     if not ranges or not sys.platform.startswith("linux"):
         return
-    target = str(Path(path).resolve())
     for start, end in ranges:
         try:
             mapped = os.readlink(f"/proc/self/map_files/{start:x}-{end:x}")

@@ -20,7 +20,7 @@ from litekv.catalog import cache_dir
 from litekv.errors import AcceleratorUnavailable
 from litekv.kv_cache import KVCache, aligned_zeros
 from litekv.litert_capi import CompiledTFLiteModel, HostTensorBuffer
-from litekv.resident_pages import read_only_mappings, release_ranges
+from litekv.resident_pages import FileMappings
 
 from .base import ExternalSamplerExecutor, InternalSamplerExecutor, SamplerParams
 from .lora import LoraAdapter, lora_inputs
@@ -163,26 +163,24 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             raise errors[-1]
         # On CPU, XNNPACK runs on its packed copy of the weights: the model file pages read while
         # compiling are idle, and a prefill's embedding rows are not needed after it.
-        self._model_pages = ([(start, end) for start, end, _ in read_only_mappings(path)]
-                             if self.accelerator == "cpu" else [])
-        release_ranges(path, self._model_pages)
-        self._model_path = path
+        self._model_pages = FileMappings(path) if self.accelerator == "cpu" else None
+        self._release_model_pages()
         cfg = self.config
+        self._sliding = "sliding" in cfg.layer_types
+        self._sampler: _SamplerIO | None = None
+        self._io: dict[str, _SignatureIO] = {}
         # Capacities per entry point: one-token steps have finer buckets than prefill chunks.
         self._capacities: dict[str, list[int]] = {}
         for sig in manifest.signatures:
-            if not sig.lora and sig.kind != "sampler":
+            if sig.kind == "sampler":
+                self._sampler = _SamplerIO(self.model)
+                continue
+            self._io[sig.name] = _SignatureIO(sig.name, sig.tokens, sig.capacity, cfg.vocab_size, self._sliding)
+            if not sig.lora:
                 base = f"prefill_{sig.tokens}" if sig.kind == "prefill" else sig.kind
                 self._capacities.setdefault(base, []).append(sig.capacity)
         for capacities in self._capacities.values():
             capacities.sort()
-        self._sliding = "sliding" in cfg.layer_types
-        self._io: dict[str, _SignatureIO] = {}
-        for sig in manifest.signatures:
-            if sig.kind != "sampler":
-                self._io[sig.name] = _SignatureIO(sig.name, sig.tokens, sig.capacity, cfg.vocab_size, self._sliding)
-        has_sampler = any(sig.kind == "sampler" for sig in manifest.signatures)
-        self._sampler = _SamplerIO(self.model) if has_sampler else None
         self._run_lock = threading.Lock()  # the signature IO buffers are shared by all caches
         self._pool = _KVMemoryPool()
 
@@ -256,7 +254,11 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         try:
             super().prefill(inputs, kv_cache, lora_id)
         finally:  # the embedding rows it gathered are not needed by the steps that follow
-            release_ranges(self._model_path, self._model_pages)
+            self._release_model_pages()
+
+    def _release_model_pages(self) -> None:
+        if self._model_pages is not None:
+            self._model_pages.release()
 
     # ---- hooks -----------------------------------------------------------------------------------
     def _run_prefill_chunk(self, tokens: np.ndarray, chunk: Chunk, kv_cache: KVCache, row: int,
