@@ -26,16 +26,18 @@ def converter_fingerprint() -> str:
 
 
 def smollm2_bundle(backend: str, quantize: str, max_context: int = 4096, lora_rank: int | None = None,
-                   prefill_lengths: tuple[int, ...] = (32, 128, 256, 512), kv_cache: str = "fp32") -> Path:
-    """A SmolLM2 bundle in the user cache, converted on first use."""
+                   prefill_lengths: tuple[int, ...] = (32, 128, 256, 512), kv_cache: str = "fp32",
+                   lm_head: str | None = None) -> Path:
+    """A SmolLM2 bundle in the user cache, converted on first use. lm_head None: the converter's default."""
     kv = "" if kv_cache == "fp32" else f"-kv{kv_cache}"
+    kv += "" if lm_head is None else f"-head{lm_head}"
     name = (f"smollm2-{backend}-{quantize}{kv}-ctx{max_context}-lora{lora_rank}-p{'_'.join(map(str, prefill_lengths))}"
             f"-{converter_fingerprint()}")
     path = cache_dir() / "bench-bundles" / name
     if not (path / "litekv.json").exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         options = ConvertOptions(backend=backend, quantize=quantize, max_context=max_context, lora_rank=lora_rank,
-                                 prefill_lengths=prefill_lengths, kv_cache=kv_cache)
+                                 prefill_lengths=prefill_lengths, kv_cache=kv_cache, lm_head=lm_head)
         print(f"converting {name} ...", file=sys.stderr)
         convert(checkpoint_path(), path, options, show_progress=True)
     return path

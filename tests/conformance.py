@@ -42,30 +42,31 @@ def checkpoint_dir(arch: str) -> Path:
 
 
 def bundle(arch: str, backend: str, quantize: str = "fp32", lora_rank: int | None = None,
-           max_context: int = MAX_CONTEXT) -> Path:
+           max_context: int = MAX_CONTEXT, lm_head: str | None = None) -> Path:
     # One cache key however the arguments are spelled: a second conversion to the same path would
     # replace a model file that an executor has mapped.
-    return _bundle(arch, backend, quantize, lora_rank, max_context)
+    return _bundle(arch, backend, quantize, lora_rank, max_context, lm_head)
 
 
 @lru_cache(maxsize=None)
-def _bundle(arch: str, backend: str, quantize: str, lora_rank: int | None, max_context: int) -> Path:
+def _bundle(arch: str, backend: str, quantize: str, lora_rank: int | None, max_context: int,
+            lm_head: str | None) -> Path:
     buckets = tuple(b for b in (16, 32, 64, 128, 256, 512) if b < max_context) + (max_context,)
     options = ConvertOptions(backend=backend, quantize=quantize, max_context=max_context,
                              prefill_lengths=PREFILL_LENGTHS, lora_rank=lora_rank,
-                             kv_buckets=buckets if backend == "litert" else None)
-    name = f"{arch}-{backend}-{quantize}-{lora_rank}-{max_context}"
+                             kv_buckets=buckets if backend == "litert" else None, lm_head=lm_head)
+    name = f"{arch}-{backend}-{quantize}-{lora_rank}-{max_context}-{lm_head}"
     return convert(checkpoint_dir(arch), _ROOT / name, options)
 
 
 def executor(arch: str, backend: str, quantize: str = "fp32", lora_rank: int | None = None,
-             max_context: int = MAX_CONTEXT):
-    return _executor(arch, backend, quantize, lora_rank, max_context)
+             max_context: int = MAX_CONTEXT, lm_head: str | None = None):
+    return _executor(arch, backend, quantize, lora_rank, max_context, lm_head)
 
 
 @lru_cache(maxsize=None)
-def _executor(arch: str, backend: str, quantize: str, lora_rank: int | None, max_context: int):
-    return open_executor(bundle(arch, backend, quantize, lora_rank, max_context))
+def _executor(arch: str, backend: str, quantize: str, lora_rank: int | None, max_context: int, lm_head: str | None):
+    return open_executor(bundle(arch, backend, quantize, lora_rank, max_context, lm_head))
 
 
 @lru_cache(maxsize=None)

@@ -90,39 +90,42 @@ def test_zero_lora_inputs_equal_the_model_without_lora(backend):
         np.testing.assert_array_equal(with_lora.step([5], cache, lora_id=lora_id), expected)
 
 
-def dequantized_reference(arch: str, quantize: str) -> NumpyExecutor:
+def as_stored(w: np.ndarray, fmt: str, block_size: int) -> np.ndarray:
+    """The weight a `fmt` bundle stores, back in float32."""
+    if fmt == "int4":
+        q, scales, offsets = int4_blockwise_asymmetric(w, block_size)
+        blocks = q.reshape(*offsets.shape, block_size).astype(np.float32)
+        return (blocks * scales.astype(np.float32)[..., None] + offsets[..., None]).reshape(np.shape(w))
+    q, scales = int8_per_channel(w)
+    return (q * scales[:, None]).astype(np.float32)
+
+
+def dequantized_reference(arch: str, quantize: str, lm_head: str | None = None) -> NumpyExecutor:
     """The reference on the weights a `quantize` bundle stores, dequantized: what its graph computes
     up to the kernels' activation rounding."""
     ckpt = load_checkpoint(checkpoint_dir(arch), with_tokenizer=False)
-    plan = QuantPlan.named(quantize)
+    plan = QuantPlan.named(quantize, lm_head)
     weights = dict(ckpt.weights)
     head = np.asarray(weights.get("lm_head.weight", weights["embed.weight"]), np.float32)
     for name, w in ckpt.weights.items():
         if name.startswith("layers.") and np.ndim(w) == 2:
-            if plan.weights == "int4":
-                q, scales, offsets = int4_blockwise_asymmetric(w, plan.block_size)
-                blocks = q.reshape(*offsets.shape, plan.block_size).astype(np.float32)
-                w = blocks * scales.astype(np.float32)[..., None] + offsets[..., None]
-            else:
-                q, scales = int8_per_channel(w)
-                w = q * scales[:, None]
-            weights[name] = w.reshape(np.shape(ckpt.weights[name])).astype(np.float32)
-    assert (plan.lm_head, plan.embedding) == ("int8", "fp16"), "dequantize the plan's head and table formats here"
-    q, scales = int8_per_channel(head)
-    weights["lm_head.weight"] = (q * scales[:, None]).astype(np.float32)
+            weights[name] = as_stored(np.asarray(w, np.float32), plan.weights, plan.block_size)
+    assert plan.embedding == "fp16", "dequantize the plan's table format here"
+    weights["lm_head.weight"] = as_stored(head, plan.lm_head, plan.block_size)
     weights["embed.weight"] = np.asarray(weights["embed.weight"], np.float16).astype(np.float32)
     return NumpyExecutor(ckpt.config, weights, max_context=MAX_CONTEXT)
 
 
-@pytest.mark.parametrize("quantize", ["int8", "int4"])
+@pytest.mark.parametrize("quantize, lm_head", [("int8", None), ("int4", None), ("int4", "int4")])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_quantized_graph_computes_its_dequantized_weights(arch, backend, quantize):
+def test_quantized_graph_computes_its_dequantized_weights(arch, backend, quantize, lm_head):
     """Catches structural errors in the quantized projections (block sums, offsets, scales): the
     bundle matches the reference on its own dequantized weights up to activation rounding, and
-    for int4 much more closely than the fp32 reference does."""
-    ex = executor(arch, backend, quantize)
-    dequantized, fp32 = dequantized_reference(arch, quantize), reference(arch)
+    for int4 much more closely than the fp32 reference does. The int4 LM head (the scope
+    onnxruntime-genai quantizes) goes through the same check."""
+    ex = executor(arch, backend, quantize, lm_head=lm_head)
+    dequantized, fp32 = dequantized_reference(arch, quantize, lm_head), reference(arch)
     prompt = np.random.default_rng(3).integers(3, ex.config.vocab_size, 9)
     caches = [m.create_kv_cache() for m in (ex, dequantized, fp32)]
     for model, cache in zip((ex, dequantized, fp32), caches):
