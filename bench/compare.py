@@ -62,11 +62,6 @@ def systems() -> list[System]:
             name = f"litekv {label} {quantize}" + ("" if kv == "fp32" else f" + {kv} KV")
             out.append(System(name, cls, MAIN_PYTHON, ["bench/peers/run_litekv.py", "--backend", backend,
                                                        "--quantize", quantize, "--kv-cache", kv], litekv=True))
-    # onnxruntime-genai's int4 model quantizes its LM head to int4 too: the same scope, compared as such.
-    for backend, label in (("litert", "LiteRT"), ("onnx", "ONNX Runtime")):
-        out.append(System(f"litekv {label} int4, int4 LM head", "4-bit", MAIN_PYTHON,
-                          ["bench/peers/run_litekv.py", "--backend", backend, "--quantize", "int4", "--lm-head", "int4"],
-                          litekv=True))
     from litekv.catalog import checkpoint_path
     q41, f32 = Path(checkpoint_path()), PEER_CACHE / "SmolLM2-135M-Instruct.F32.gguf"
     llama_py = PEERS / ".venv" / "bin" / "python"
