@@ -5,7 +5,7 @@ Each model is 30 layers (SmolLM2's count) of attention for one query token: 9 qu
 over the 3 KV heads' blocks of a [1, S, 192] cache row, as litekv's decode graph does, so every
 layer reads S x 192 floats of keys and as many of values. Reported: milliseconds per 30 layers
 and the rate over the cache bytes; the machine's read rate (bench/memory_bandwidth.py) is the
-floor a kernel that streams the cache once would reach. numpy/OpenBLAS is timed on the same
+ceiling, what a kernel that streams the cache once would reach. numpy/OpenBLAS is timed on the same
 arithmetic as a second stock kernel.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/attention_kernels.py [--slots 384,2048]
@@ -84,12 +84,14 @@ def time_litert(slots: int, variant: str, threads: int, repeats: int) -> float:
         inputs = {name: pool[name] for name in sig.input_names}
         outputs = {t.name: host_buffer(np.zeros(t.shape)) for t in sig.outputs}
         samples = []
-        for i in range(repeats + 5):
-            start = time.perf_counter()
-            model.run("run", inputs, outputs)
-            if i >= 5:
-                samples.append(time.perf_counter() - start)
-        model.close()
+        try:
+            for i in range(repeats + 5):
+                start = time.perf_counter()
+                model.run("run", inputs, outputs)
+                if i >= 5:
+                    samples.append(time.perf_counter() - start)
+        finally:
+            model.close()
     return 1e3 * statistics.median(samples)
 
 

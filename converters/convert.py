@@ -40,7 +40,7 @@ class ConvertOptions:
     lora_rank: int | None = None
     lora_targets: tuple[str, ...] = LORA_TARGETS
     kv_buckets: tuple[int, ...] | None = None  # TFLite capacity buckets; default doubles from 256
-    decode_buckets: tuple[int, ...] | None = None  # TFLite one-token buckets; default: kv_buckets refined
+    decode_buckets: tuple[int, ...] | None = None  # TFLite one-token buckets; default: the prefill buckets refined
     lm_head: str | None = None
     embedding: str | None = None
     sampler: bool = True
@@ -65,8 +65,13 @@ class ConvertOptions:
         if unknown:
             raise ConfigError(f"unknown LoRA targets {sorted(unknown)}; choose from {', '.join(LORA_TARGETS)}.")
         for flag, buckets in (("KV", self.kv_buckets), ("decode", self.decode_buckets)):
-            b = list(buckets or [self.max_context])
-            if b != sorted(set(b)) or b[-1] != self.max_context or b[0] <= 0:
+            if buckets is None:
+                continue
+            if self.backend == "onnx":
+                raise ConfigError(f"{flag} buckets are a LiteRT option: ONNX Runtime's GroupQueryAttention reads "
+                                  f"only the live tokens of one max-context cache. Drop --{flag.lower()}-buckets.")
+            b = list(buckets)
+            if not b or b != sorted(set(b)) or b[-1] != self.max_context or b[0] <= 0:
                 raise ConfigError(f"{flag} buckets must increase and end at the max context {self.max_context}, "
                                   f"got {b}.")
         if self.kv_cache not in KV_CACHE_FORMATS:

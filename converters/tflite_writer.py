@@ -241,7 +241,8 @@ class SubgraphBuilder:
         self.operators: list[schema.OperatorT] = []
         self.inputs: dict[str, int] = {}
         self.outputs: dict[str, int] = {}
-        self._used: dict[tuple, int] = {}  # (buffer, name) of a Constant -> tensor index
+        # (buffer, name) of a Constant, or ("inline", buffer, shape, dtype) of an inline one -> tensor index
+        self._used: dict[tuple, int] = {}
 
     def tensor(self, name: str, shape: Sequence[int], dtype="float32", *,
                buffer: int = 0, quant=None, shape_signature: Sequence[int] | None = None,
@@ -291,7 +292,7 @@ class SubgraphBuilder:
         if name is not None:
             return self.use(c)
         # Equal inline constants share one tensor: LiteRT keeps an in-memory copy of every tensor
-        # of every signature (about 1 KB each), and a layer repeats the same shapes and axes.
+        # of every signature (about 0.6 KB each), and a layer repeats the same shapes and axes.
         key = ("inline", c.buffer, c.shape, c.dtype)
         if key not in self._used:
             self._used[key] = self.use(c)

@@ -35,7 +35,7 @@ import os
 import tempfile
 import threading
 from contextlib import contextmanager
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -815,6 +815,13 @@ class CompiledTFLiteModel:
                            status=status)
 
     # -- lifetime
+
+    def while_open(self, action: Callable[[], object]) -> None:
+        """Calls `action` if the model is open, holding it open meanwhile: its mappings (of the
+        model file, say) stay where they are until `action` returns."""
+        with self._lock:
+            if self._handle is not None:
+                action()
 
     def close(self) -> None:
         """Destroys the compiled model (waits for a run in progress; cancels it first)."""

@@ -7,7 +7,8 @@ unchanged on disk and in the page cache, and a page that is read again faults ba
 
 The model's embedding rows are read from that mapping too, and the kernel maps 64 KB around each
 row it faults in, so each prefill would leave the mapping a little more resident (51 MB of the
-fp32 SmolLM2 file after a 1,024-token prompt); the executor releases it after each prefill.
+fp32 SmolLM2 file after a 1,024-token prompt), and so would a long run of decode steps; the
+executor releases it after each prefill and every few hundred steps.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import functools
 import os
 import re
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 _MADV_DONTNEED = 4
@@ -44,39 +46,45 @@ def read_only_mappings(path: str | os.PathLike) -> list[tuple[int, int, int]]:
 def release_file_pages(path: str | os.PathLike) -> int:
     """Drop this process's resident pages of read-only mappings of `path`; returns the kB released."""
     mappings = read_only_mappings(path)
-    release_ranges(path, [(start, end) for start, end, resident_kb in mappings if resident_kb])
-    return sum(resident_kb for _, _, resident_kb in mappings)
-
-
-def release_ranges(path: str | os.PathLike, ranges: list[tuple[int, int]]) -> None:
-    """Drop the resident pages of ranges `read_only_mappings(path)` found, without parsing smaps
-    (about 10 ms): each range is released only while it still maps `path`, checked through
-    /proc/self/map_files (microseconds), so memory mapped there since is never touched."""
-    _release(str(Path(path).resolve()), ranges)
+    resident = {(start, end): kb for start, end, kb in mappings if kb}
+    released = _release(str(Path(path).resolve()), list(resident))
+    return sum(resident[r] for r in released)
 
 
 class FileMappings:
     """The read-only mappings of one file, found once, whose pages can be given back again and
-    again at the cost of a readlink and an madvise per mapping."""
+    again at the cost of a readlink and an madvise per mapping (parsing smaps takes about 10 ms).
 
-    def __init__(self, path: str | os.PathLike):
+    `exclude`: ranges that are not ours, such as another model's mapping of the same file, taken
+    before our model mapped it. A range is released only while /proc/self/map_files says it still
+    maps the file, so a range unmapped since is skipped; keep the mapping's owner alive while
+    calling `release`, so nothing else can be mapped there between that check and the madvise.
+    """
+
+    def __init__(self, path: str | os.PathLike, exclude: Iterable[tuple[int, int]] = ()):
         self.target = str(Path(path).resolve())
-        self.ranges = [(start, end) for start, end, _ in read_only_mappings(self.target)]
+        skipped = set(exclude)
+        self.ranges = [(start, end) for start, end, _ in read_only_mappings(self.target)
+                       if (start, end) not in skipped]
 
     def release(self) -> None:
         _release(self.target, self.ranges)
 
 
-def _release(target: str, ranges: list[tuple[int, int]]) -> None:
+def _release(target: str, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """madvise(DONTNEED) on each range that still maps `target`; returns the ranges released."""
     if not ranges or not sys.platform.startswith("linux"):
-        return
+        return []
+    released = []
     for start, end in ranges:
         try:
             mapped = os.readlink(f"/proc/self/map_files/{start:x}-{end:x}")
         except OSError:  # unmapped, or split since
             continue
-        if mapped == target or mapped == target + " (deleted)":
-            _libc().madvise(start, end - start, _MADV_DONTNEED)
+        if (mapped == target or mapped == target + " (deleted)") and \
+                _libc().madvise(start, end - start, _MADV_DONTNEED) == 0:
+            released.append((start, end))
+    return released
 
 
 @functools.lru_cache(maxsize=1)

@@ -92,6 +92,10 @@ def test_zero_lora_inputs_equal_the_model_without_lora(backend):
 
 def as_stored(w: np.ndarray, fmt: str, block_size: int) -> np.ndarray:
     """The weight a `fmt` bundle stores, back in float32."""
+    if fmt == "fp32":
+        return np.asarray(w, np.float32)
+    if fmt not in ("int8", "int4"):
+        raise ValueError(f"no dequantization for {fmt!r} here")
     if fmt == "int4":
         q, scales, offsets = int4_blockwise_asymmetric(w, block_size)
         blocks = q.reshape(*offsets.shape, block_size).astype(np.float32)

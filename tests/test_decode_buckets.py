@@ -36,6 +36,40 @@ def test_decode_buckets_must_end_at_the_max_context():
         ConvertOptions(max_context=64, prefill_lengths=(8,), decode_buckets=(16, 32))
 
 
+@pytest.mark.parametrize("field", ["kv_buckets", "decode_buckets"])
+def test_empty_bucket_lists_are_refused(field):
+    """An empty list would convert a bundle without decode entry points."""
+    with pytest.raises(ConfigError, match="must increase and end at the max context 64, got \\[\\]"):
+        ConvertOptions(max_context=64, prefill_lengths=(8,), **{field: ()})
+
+
+@pytest.mark.parametrize("field", ["kv_buckets", "decode_buckets"])
+def test_bucket_options_are_refused_for_onnx(field):
+    with pytest.raises(ConfigError, match="buckets are a LiteRT option"):
+        ConvertOptions(backend="onnx", max_context=64, prefill_lengths=(8,), **{field: (16, 64)})
+
+
+@pytest.mark.parametrize("drop", ["every decode entry point", "the max-context decode entry point"])
+def test_a_manifest_without_a_decode_bucket_for_every_length_is_refused(drop):
+    """A step must always find a bucket; a hand-edited or truncated manifest is caught at load."""
+    import dataclasses
+
+    from conformance import bundle
+    from litekv.bundle import BundleError, read_manifest
+    from litekv.executor.litert_executor import LiteRTExecutor
+
+    path = bundle("llama", "litert")
+    manifest = read_manifest(path)
+    if drop == "every decode entry point":
+        kept = [s for s in manifest.signatures if s.kind != "decode"]
+        message = "no decode entry point"
+    else:
+        kept = [s for s in manifest.signatures if s.name != "decode"]
+        message = "the decode entry points stop at"
+    with pytest.raises(BundleError, match=message):
+        LiteRTExecutor(path, dataclasses.replace(manifest, signatures=tuple(kept)))
+
+
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
 def split_bucket_executor(request):
     arch = request.param

@@ -1,13 +1,14 @@
 """Releasing the resident pages of read-only file mappings (what LiteRT leaves after packing)."""
 from __future__ import annotations
 
+import ctypes
 import mmap
 import sys
 
 import numpy as np
 import pytest
 
-from litekv.resident_pages import read_only_mappings, release_file_pages, release_ranges
+from litekv.resident_pages import FileMappings, read_only_mappings, release_file_pages
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
 
@@ -66,19 +67,73 @@ def test_litert_prefill_leaves_no_model_file_pages_resident(tmp_path):
     assert relative_error(ex.step([int(prompt[-1])], ours), ref.step([int(prompt[-1])], theirs)) < 1e-4
 
 
+def test_litert_decode_steps_give_model_file_pages_back_periodically(tmp_path, monkeypatch):
+    """Each step reads one embedding row (and the 64 KB around it) from the model file."""
+    import litekv.executor.litert_executor as litert_executor
+    from conformance import KV_BUCKETS, MAX_CONTEXT, PREFILL_LENGTHS, checkpoint_dir
+    from litekv.converters.convert import ConvertOptions, convert
+    from litekv.executor import open_executor
+
+    monkeypatch.setattr(litert_executor, "RELEASE_EVERY_STEPS", 3)
+    options = ConvertOptions(backend="litert", max_context=MAX_CONTEXT, prefill_lengths=PREFILL_LENGTHS,
+                             kv_buckets=KV_BUCKETS)
+    ex = open_executor(convert(checkpoint_dir("llama"), tmp_path / "bundle", options))
+    cache = ex.create_kv_cache()
+    assert resident_kb(ex.model.path) == 0
+    ex.step([5], cache)
+    ex.sample_tokens(1, [6], cache)
+    assert resident_kb(ex.model.path) > 0
+    ex.step([7], cache)  # the third step since the last release
+    assert resident_kb(ex.model.path) == 0
+
+
+def test_file_mappings_release_only_their_file_and_skip_excluded_ranges(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(SIZE))
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as first:
+        theirs = FileMappings(path).ranges
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as second:
+            ours = FileMappings(path, exclude=theirs)
+            assert len(ours.ranges) == 1 and ours.ranges[0] not in theirs
+            np.frombuffer(first, np.uint8).sum(), np.frombuffer(second, np.uint8).sum()
+            ours.release()
+            kb = {(start, end): resident for start, end, resident in read_only_mappings(path)}
+            assert kb[ours.ranges[0]] == 0 and kb[theirs[0]] >= SIZE // 1024 * 0.9
+
+
 def test_a_range_that_no_longer_maps_the_file_is_left_alone(tmp_path):
+    """A private anonymous mapping placed where the file was mapped would lose its data to
+    MADV_DONTNEED; the map_files check must skip it."""
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(SIZE))
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ):
+        stale = FileMappings(path)
+    assert len(stale.ranges) == 1
+    start, end = stale.ranges[0]
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x100000  # MAP_FIXED_NOREPLACE: exactly there, or fail
+    address = libc.mmap(start, end - start, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+    if address in (None, ctypes.c_void_p(-1).value) or address != start:
+        pytest.skip("could not map anonymous memory at the released range")
+    try:
+        memory = (ctypes.c_uint8 * (end - start)).from_address(address)
+        ctypes.memset(address, 7, end - start)
+        stale.release()
+        assert memory[0] == 7 and memory[(end - start) // 2] == 7 and memory[end - start - 1] == 7
+    finally:
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.munmap(address, end - start)
+
+
+def test_release_reports_only_what_it_released(tmp_path, monkeypatch):
+    import litekv.resident_pages as resident_pages
+
     path = tmp_path / "weights.bin"
     path.write_bytes(bytes(SIZE))
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        ranges = [(start, end) for start, end, _ in read_only_mappings(path)]
-        assert ranges
         np.frombuffer(mapped, np.uint8).sum()
-    anonymous = mmap.mmap(-1, SIZE)  # may land where the file was mapped
-    anonymous[:] = b"\x07" * SIZE
-    release_ranges(path, ranges)
-    assert anonymous[:4096] == b"\x07" * 4096 and anonymous[-1] == 7
-    other = tmp_path / "other.bin"
-    other.write_bytes(bytes(SIZE))
-    release_ranges(other, ranges)  # the wrong file: nothing happens either
-    assert anonymous[SIZE // 2] == 7
-    anonymous.close()
+        monkeypatch.setattr(resident_pages.os, "readlink", lambda link: "/somewhere/else")
+        assert release_file_pages(path) == 0  # the check says another file: nothing released
+        assert resident_kb(path) >= SIZE // 1024 * 0.9

@@ -141,6 +141,9 @@ def test_equal_inline_constants_share_one_tensor(tmp_path):
     assert shape_a == shape_b and other != shape_a
     assert sg.const(np.array([3, 2], np.int32), name="named") != shape_a  # named constants stay apart
     assert sg.const(np.array([3, 2], np.float32)) != shape_a  # the same values as floats
+    zeros = sg.const(np.zeros(2, np.int32))
+    assert sg.const(np.zeros(2, np.float32)) != zeros  # the same bytes, another dtype
+    assert sg.const(np.array([[3, 2]], np.int32)) != shape_a  # the same bytes, another shape
     y, z = sg.tensor("y", (3, 2)), sg.tensor("z", (6,))
     sg.op("RESHAPE", [x, shape_a], [y])
     sg.op("RESHAPE", [y, other], [z])

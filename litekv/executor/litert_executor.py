@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from litekv.bundle import SAMPLER_SIGNATURE, Manifest
+from litekv.bundle import SAMPLER_SIGNATURE, BundleError, Manifest
 from litekv.catalog import cache_dir
 from litekv.errors import AcceleratorUnavailable
 from litekv.kv_cache import KVCache, aligned_zeros
@@ -28,18 +28,19 @@ from .numpy_executor import host_sample
 from .prefill_plan import Chunk
 
 MASKED = np.finfo(np.float32).min
+RELEASE_EVERY_STEPS = 256  # decode steps between releases of the model file's pages
 
 
 class _SignatureIO:
     """Host buffers of one signature's small inputs and outputs (shared by every cache)."""
 
-    def __init__(self, name: str, tokens: int, capacity: int, vocab: int, sliding: bool):
+    def __init__(self, name: str, kind: str, tokens: int, capacity: int, vocab: int, sliding: bool):
         self.name, self.tokens, self.capacity = name, tokens, capacity
         self.arrays = {"tokens": aligned_zeros((1, tokens), np.int32), "input_pos": aligned_zeros((tokens,), np.int32),
                        "mask": aligned_zeros((1, 1, tokens, capacity))}
         if sliding:
             self.arrays["local_mask"] = aligned_zeros((1, 1, tokens, capacity))
-        self.outputs = {} if name.startswith("prefill") else {"logits": aligned_zeros((1, 1, vocab))}
+        self.outputs = {} if kind == "prefill" else {"logits": aligned_zeros((1, 1, vocab))}
         self.buffers = {k: HostTensorBuffer(v) for k, v in {**self.arrays, **self.outputs}.items()}
 
     def fill(self, tokens: np.ndarray, start: int, window: int | None) -> None:
@@ -147,8 +148,23 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         super().__init__(manifest.config, manifest.max_context, manifest.prefill_lengths, manifest.lora_rank,
                          manifest.lora_targets)
         self.manifest = manifest
+        # Capacities per entry point, from the manifest: one-token steps have finer buckets than
+        # prefill chunks. Checked before compiling: a step must always find a bucket.
+        self._capacities: dict[str, list[int]] = {}
+        for sig in manifest.signatures:
+            if sig.kind != "sampler" and not sig.lora:
+                base = f"prefill_{sig.tokens}" if sig.kind == "prefill" else sig.kind
+                self._capacities.setdefault(base, []).append(sig.capacity)
+        for base, capacities in self._capacities.items():
+            capacities.sort()
+            if capacities[-1] != manifest.max_context:
+                raise BundleError(f"{bundle}: the {base} entry points stop at {capacities[-1]} tokens, below the max "
+                                  f"context {manifest.max_context}; reconvert the model.")
+        if "decode" not in self._capacities:
+            raise BundleError(f"{bundle}: the bundle has no decode entry point; reconvert the model.")
         path = Path(bundle) / manifest.model_file
         weight_cache = xnnpack_cache_file(path, manifest.fingerprint)
+        mapped_before = FileMappings(path).ranges  # other models of this file in the process: not ours to release
         order = ("gpu", "npu", "cpu") if accelerator == "auto" else (accelerator,)
         errors = []
         for kind in order:
@@ -163,24 +179,18 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             raise errors[-1]
         # On CPU, XNNPACK runs on its packed copy of the weights: the model file pages read while
         # compiling are idle, and a prefill's embedding rows are not needed after it.
-        self._model_pages = FileMappings(path) if self.accelerator == "cpu" else None
+        self._model_pages = FileMappings(path, exclude=mapped_before) if self.accelerator == "cpu" else None
         self._release_model_pages()
         cfg = self.config
         self._sliding = "sliding" in cfg.layer_types
         self._sampler: _SamplerIO | None = None
         self._io: dict[str, _SignatureIO] = {}
-        # Capacities per entry point: one-token steps have finer buckets than prefill chunks.
-        self._capacities: dict[str, list[int]] = {}
         for sig in manifest.signatures:
             if sig.kind == "sampler":
                 self._sampler = _SamplerIO(self.model)
-                continue
-            self._io[sig.name] = _SignatureIO(sig.name, sig.tokens, sig.capacity, cfg.vocab_size, self._sliding)
-            if not sig.lora:
-                base = f"prefill_{sig.tokens}" if sig.kind == "prefill" else sig.kind
-                self._capacities.setdefault(base, []).append(sig.capacity)
-        for capacities in self._capacities.values():
-            capacities.sort()
+            else:
+                self._io[sig.name] = _SignatureIO(sig.name, sig.kind, sig.tokens, sig.capacity, cfg.vocab_size,
+                                                  self._sliding)
         self._run_lock = threading.Lock()  # the signature IO buffers are shared by all caches
         self._pool = _KVMemoryPool()
 
@@ -257,8 +267,17 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             self._release_model_pages()
 
     def _release_model_pages(self) -> None:
+        self._steps_since_release = 0
         if self._model_pages is not None:
-            self._model_pages.release()
+            self.model.while_open(self._model_pages.release)
+
+    def _count_steps(self, steps: int) -> None:
+        # Each step reads one embedding row, and the kernel maps 64 KB around it: without this,
+        # a long generation would leave up to the whole table resident (200 SmolLM2 fp32 steps:
+        # 14 MB). A release then takes about 0.5 ms, 2 µs per step.
+        self._steps_since_release += steps
+        if self._steps_since_release >= RELEASE_EVERY_STEPS:
+            self._release_model_pages()
 
     # ---- hooks -----------------------------------------------------------------------------------
     def _run_prefill_chunk(self, tokens: np.ndarray, chunk: Chunk, kv_cache: KVCache, row: int,
@@ -275,6 +294,7 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             for row in range(kv_cache.batch_size):
                 io = self._run(name, tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter)
                 out[row] = io.outputs["logits"][0, 0]
+        self._count_steps(kv_cache.batch_size)
         return out
 
     def _sample(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None,
@@ -290,6 +310,7 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
                 params = (1.0 if greedy else sampler.temperature, 1 if greedy else sampler.top_k, sampler.top_p,
                           sampler.seed_for(kv_cache.num_tokens, row))
                 out[row] = self._sampler.run(io, params)
+        self._count_steps(kv_cache.batch_size)
         return out
 
     # ---- cancellation ---------------------------------------------------------------------------
