@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from litekv.bundle import SAMPLER_INPUTS
+
 from .graph_ops import GraphOps, Sym
 
 CANDIDATES = 64  # the sampler draws from the 64 most likely tokens
@@ -26,7 +28,7 @@ class SamplerInputs:
     top_p: Sym
     seed: Sym
 
-    FIELDS = (("temperature", "float32"), ("top_k", "int32"), ("top_p", "float32"), ("seed", "int32"))
+    FIELDS = SAMPLER_INPUTS
 
 
 def park_miller_uniform_graph(g: GraphOps, seed: Sym) -> Sym:

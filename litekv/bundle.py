@@ -19,6 +19,8 @@ MANIFEST = "litekv.json"
 FORMAT = "litekv-bundle"
 VERSION = 3  # 2: TFLite KV cache tensors are [1,S,KVH*D]; 3: one TFLite sampler entry point fed with logits
 SAMPLER_SIGNATURE = "sampler"
+# The sampler graph's scalar inputs, each of shape [1], in order: (name, dtype).
+SAMPLER_INPUTS = (("temperature", "float32"), ("top_k", "int32"), ("top_p", "float32"), ("seed", "int32"))
 BACKENDS = ("litert", "onnx")
 KV_CACHE_FORMATS = ("fp32", "int8")
 

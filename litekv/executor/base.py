@@ -45,6 +45,12 @@ class SamplerParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    def graph_inputs(self, seed: int) -> tuple[float, int, float, int]:
+        """Values of the sampler graph's inputs (litekv.bundle.SAMPLER_INPUTS) for one draw; greedy
+        runs as temperature 1 with top-k 1."""
+        greedy = self.greedy
+        return (1.0 if greedy else self.temperature, 1 if greedy else self.top_k, self.top_p, seed)
+
     def seed_for(self, position: int, row: int) -> int:
         """The draw at absolute `position` of batch `row`: independent of how steps are grouped in calls."""
         return step_seed(self.seed + 7_919 * row, position)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from litekv.bundle import SAMPLER_SIGNATURE, BundleError, Manifest
+from litekv.bundle import SAMPLER_INPUTS, SAMPLER_SIGNATURE, BundleError, Manifest
 from litekv.catalog import cache_dir
 from litekv.errors import AcceleratorUnavailable
 from litekv.kv_cache import KVCache, aligned_zeros
@@ -67,7 +67,7 @@ class _SamplerIO:
     LiteRT ties a tensor buffer object to one signature, so each decode entry point's logits
     array gets its own input buffer object here, bound once."""
 
-    PARAMS = (("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32), ("seed", np.int32))
+    PARAMS = tuple((name, np.dtype(dtype)) for name, dtype in SAMPLER_INPUTS)
 
     def __init__(self, model: CompiledTFLiteModel):
         self.model = model
@@ -303,13 +303,10 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             return host_sample(self._decode(tokens, kv_cache, adapter), sampler, kv_cache.num_tokens)
         name = self._signature_name("decode", kv_cache.num_tokens + 1, adapter)
         out = np.empty(kv_cache.batch_size, np.int32)
-        greedy = sampler.greedy
         with self._run_lock:
             for row in range(kv_cache.batch_size):
                 io = self._run(name, tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter)
-                params = (1.0 if greedy else sampler.temperature, 1 if greedy else sampler.top_k, sampler.top_p,
-                          sampler.seed_for(kv_cache.num_tokens, row))
-                out[row] = self._sampler.run(io, params)
+                out[row] = self._sampler.run(io, sampler.graph_inputs(sampler.seed_for(kv_cache.num_tokens, row)))
         self._count_steps(kv_cache.batch_size)
         return out
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from litekv.bundle import Manifest
+from litekv.bundle import SAMPLER_INPUTS, Manifest
 from litekv.errors import AcceleratorUnavailable, BackendError, Cancelled, MissingDependency
 from litekv.kv_cache import KVCache, aligned_zeros
 
@@ -156,11 +156,8 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
     def _sample_on_graph(self, logits_value, sampler: SamplerParams, seed: int) -> int:
         io = self.sampler.io_binding()
         io.bind_ortvalue_input("logits", logits_value)
-        greedy = sampler.greedy
-        io.bind_cpu_input("temperature", np.array([1.0 if greedy else sampler.temperature], np.float32))
-        io.bind_cpu_input("top_k", np.array([1 if greedy else sampler.top_k], np.int32))
-        io.bind_cpu_input("top_p", np.array([sampler.top_p], np.float32))
-        io.bind_cpu_input("seed", np.array([seed], np.int32))
+        for (name, dtype), value in zip(SAMPLER_INPUTS, sampler.graph_inputs(seed)):
+            io.bind_cpu_input(name, np.array([value], dtype))
         token = np.zeros(1, np.int32)
         io.bind_ortvalue_output("next_token", self._ort.OrtValue.ortvalue_from_numpy(token))
         self.sampler.run_with_iobinding(io)
