@@ -6,9 +6,10 @@ over the 3 KV heads' blocks of a [1, S, 192] cache row, as litekv's decode graph
 layer reads S x 192 floats of keys and as many of values. Reported: milliseconds per 30 layers
 and the rate over the cache bytes; the machine's read rate (bench/memory_bandwidth.py) is the
 ceiling, what a kernel that streams the cache once would reach. The alternatives: the cache as the
-left operand (not repacked by XNNPACK), a head-major cache without the zero blocks (a third of the
-arithmetic), an int8 cache through TFLite's float x int8 batch matmul, and numpy/OpenBLAS on the
-same arithmetic as a second stock kernel.
+left operand (not repacked by XNNPACK), for the scores and, with a transposed value cache, for
+probs x V; the scores as a fully-connected op whose filter is the query; a head-major cache
+without the zero blocks (a third of the arithmetic); an int8 cache through TFLite's float x int8
+batch matmul; and numpy/OpenBLAS on the same arithmetic as a second stock kernel.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/attention_kernels.py [--slots 384,2048]
 """
@@ -85,6 +86,27 @@ def cache_left(sg, slots: int) -> list[int]:
     return outputs
 
 
+def values_transposed_left(sg, slots: int) -> list[int]:
+    """probs x V as V^T [192, S] x probs^T [S, 9]: a transposed value cache as the left operand, so
+    only the small probabilities are packed (a layout whose bucket prefixes would not be views)."""
+    probs_t, outputs = sg.add_input("probs_t", (1, slots, HEADS)), []
+    for layer in range(LAYERS):
+        out = sg.tensor(f"out{layer}", (1, ROW, HEADS))
+        sg.op("BATCH_MATMUL", [sg.add_input(f"vt{layer}", (1, ROW, slots)), probs_t], [out])
+        outputs.append(out)
+    return outputs
+
+
+def keys_as_fc_input(sg, slots: int) -> list[int]:
+    """Scores^T [S, 9] as FULLY_CONNECTED(keys [S, 192], query [9, 192] as a dynamic filter)."""
+    query, outputs = sg.add_input("query", (HEADS, ROW)), []
+    for layer in range(LAYERS):
+        scores_t = sg.tensor(f"scores_t{layer}", (slots, HEADS))
+        sg.op("FULLY_CONNECTED", [sg.add_input(f"k{layer}", (slots, ROW)), query, -1], [scores_t])
+        outputs.append(scores_t)
+    return outputs
+
+
 def head_major(sg, slots: int) -> list[int]:
     """A [KVH, S, D] cache: each KV head's 3 query heads against its own rows, no zero blocks."""
     query = sg.add_input("query", (KV_HEADS, GROUP, HEAD_DIM))
@@ -117,6 +139,8 @@ VARIANTS = {
     "scores only": (scores_only, 0.5, 4),
     "probs x V only": (values_only, 0.5, 4),
     "scores with the cache as left operand, transposed back": (cache_left, 1.0, 4),
+    "scores as FULLY_CONNECTED, query as a dynamic filter": (keys_as_fc_input, 0.5, 4),
+    "probs x V with V^T as the left operand": (values_transposed_left, 0.5, 4),
     "head-major cache [KVH, S, D], no zero blocks": (head_major, 1.0, 4),
     "one [S, D] buffer per KV head": (per_head_buffers, 1.0, 4),
     "int8 cache, float x int8 batch matmul": (int8_hybrid, 1.0, 1),

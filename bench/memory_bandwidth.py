@@ -2,8 +2,9 @@
 
 Compiles bench/memory_bandwidth.c (a 2-thread AVX2 read loop built for this CPU; needs a C compiler, which the
 llama.cpp peer build needs too) and reads arrays the size of SmolLM2's int8 weights (134 MB), its
-fp32 weights (540 MB) and a larger one, without and with software prefetch. Arrays that fit the
-260 MB L3 partly come from cache, so the 540 MB figure is the DRAM rate an fp32 decode step meets.
+fp32 weights (540 MB) and a larger one, without and with software prefetch. An array that fits the
+L3 (`lscpu` gives its size) partly comes from cache; the 540 MB figure is the DRAM rate an fp32
+decode step meets.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/memory_bandwidth.py
 """

@@ -30,8 +30,8 @@ BLOCK = 32
 
 def read_bandwidth_gb_s(threads: int, mb: int = 1024, repeats: int = 5) -> float:
     """Read bandwidth numpy reaches: `threads` threads taking the max of disjoint parts of a 1 GiB
-    buffer (larger than L3). A SIMD max is the cheapest full read numpy has; a C read loop reaches
-    more (45-49 GB/s with 2 threads on the reference machine), so this is a lower bound."""
+    buffer (larger than L3). A SIMD max is the cheapest full read numpy has; the C read loop of
+    bench/memory_bandwidth.py reaches more, so this is a lower bound."""
     data = np.ones(mb * 2**20 // 4, np.float32)
     parts = np.array_split(data, threads)
     best = 0.0

@@ -3,7 +3,7 @@
 Everything is built with ``onnx.helper`` and run on onnxruntime's CPU EP.
 The facts proven here are summarised in ``converters/ONNX_NOTES.md``.
 
-Run with ``python -m pytest tests/test_onnx_prototype.py -q -s`` to see the
+Run with ``python -m pytest tests/test_onnxruntime_facts.py -q -s`` to see the
 printed timings.
 """
 
@@ -611,6 +611,28 @@ def test_matmulnbits_layout(bits, symmetric, K):
     # sanity: quantization error vs the fp32 weight is as expected for the bit width
     err = np.abs(y - a @ w).max() / np.abs(a @ w).max()
     assert err < (0.15 if bits == 4 else 0.01)
+
+
+def test_matmulnbits_bias_is_a_runtime_input_of_shape_n():
+    """The bias slot (input 5) may be a graph input, read at run time, but only as [N]: one row's
+    correction. The int4 emitter's per-row block-offset term [.., T, N] therefore stays an Add."""
+    rng = np.random.default_rng(5)
+    K, N = 64, 48
+    B, scales, _, deq = quantize_nbits(rng.standard_normal((K, N), dtype=np.float32), 4, 32, True)
+
+    def model(bias_shape):
+        node = oh.make_node("MatMulNBits", ["A", "B", "scales", "", "", "bias"], ["Y"], domain="com.microsoft",
+                            K=K, N=N, bits=4, block_size=32)
+        return _model([node], [_vi("A", TP.FLOAT, ["M", K]), _vi("bias", TP.FLOAT, bias_shape)],
+                      [_vi("Y", TP.FLOAT, ["M", N])],
+                      [numpy_helper.from_array(B, "B"), numpy_helper.from_array(scales, "scales")])
+
+    a = rng.standard_normal((3, K), dtype=np.float32)
+    bias = rng.standard_normal(N).astype(np.float32)
+    y = _session(model([N])).run(None, {"A": a, "bias": bias})[0]
+    np.testing.assert_allclose(y, a @ deq + bias, atol=1e-4, rtol=1e-4)
+    with pytest.raises(Exception, match="bias shape must be"):
+        _session(model(["M", N]))
 
 
 def _q8_per_channel(w):
