@@ -9,7 +9,8 @@ ceiling, what a kernel that streams the cache once would reach. The alternatives
 left operand (not repacked by XNNPACK), for the scores and, with a transposed value cache, for
 probs x V; the scores as a fully-connected op whose filter is the query; a head-major cache
 without the zero blocks (a third of the arithmetic); an int8 cache through TFLite's float x int8
-batch matmul; and numpy/OpenBLAS on the same arithmetic as a second stock kernel.
+batch matmul; numpy/OpenBLAS on the same arithmetic as a second stock kernel; and litekv's own
+decode-attention kernel (litekv.native_attention), which the LiteRT decode entry points use.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/attention_kernels.py [--slots 384,2048]
 """
@@ -25,6 +26,7 @@ import numpy as np
 
 from common import markdown_table, save
 from litekv.converters.tflite_writer import PerChannelQuant, TFLiteModelWriter
+from litekv import litert_capi, native_attention
 from litekv.litert_capi import CompiledTFLiteModel, HostTensorBuffer, aligned_zeros
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM = 30, 3, 3, 64
@@ -107,6 +109,17 @@ def keys_as_fc_input(sg, slots: int) -> list[int]:
     return outputs
 
 
+def litekv_kernel(sg, slots: int) -> list[int]:
+    """litekv's decode-attention kernel (a custom op): the cache rows as bound, each read once."""
+    query, mask, outputs = sg.add_input("query", (1, 1, HEADS * HEAD_DIM)), sg.add_input("mask", (1, 1, 1, slots)), []
+    for layer in range(LAYERS):
+        out = sg.tensor(f"out{layer}", (1, 1, HEADS * HEAD_DIM))
+        sg.custom_op(native_attention.OP_NAME, [query, sg.add_input(f"k{layer}", (1, slots, ROW)),
+                                                sg.add_input(f"v{layer}", (1, slots, ROW)), mask], [out])
+        outputs.append(out)
+    return outputs
+
+
 def head_major(sg, slots: int) -> list[int]:
     """A [KVH, S, D] cache: each KV head's 3 query heads against its own rows, no zero blocks."""
     query = sg.add_input("query", (KV_HEADS, GROUP, HEAD_DIM))
@@ -144,6 +157,7 @@ VARIANTS = {
     "head-major cache [KVH, S, D], no zero blocks": (head_major, 1.0, 4),
     "one [S, D] buffer per KV head": (per_head_buffers, 1.0, 4),
     "int8 cache, float x int8 batch matmul": (int8_hybrid, 1.0, 1),
+    "litekv decode-attention kernel (custom op)": (litekv_kernel, 1.0, 4),
 }
 
 
@@ -165,10 +179,13 @@ def time_litert(slots: int, graph, threads: int, repeats: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "attention.tflite"
         build(path, slots, graph)
-        model = CompiledTFLiteModel(path, num_threads=threads)
+        kernels = ([native_attention.AttentionKernel(HEAD_DIM, HEADS, slots, threads, litert=litert_capi.library())]
+                   if graph is litekv_kernel else [])
+        model = CompiledTFLiteModel(path, num_threads=threads, custom_ops=kernels)
         rng = np.random.default_rng(0)
         sig = model.signature("run")
         inputs = {t.name: host_buffer(rng.integers(-100, 100, t.shape) if t.dtype == np.int8
+                                      else np.zeros(t.shape) if t.name == "mask"  # every slot live
                                       else rng.standard_normal(t.shape), t.dtype) for t in sig.inputs}
         outputs = {t.name: host_buffer(np.zeros(t.shape), t.dtype) for t in sig.outputs}
         samples = []

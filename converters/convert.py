@@ -18,7 +18,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from litekv.bundle import BACKENDS, KV_CACHE_FORMATS, MANIFEST, SAMPLER_SIGNATURE, Manifest, SignatureInfo, write_atomic
+from litekv.bundle import (BACKENDS, DECODE_ATTENTION, KV_CACHE_FORMATS, MANIFEST, SAMPLER_SIGNATURE, Manifest,
+                           SignatureInfo, write_atomic)
 from litekv.errors import ConfigError, LitekvError
 from litekv.models.config import ModelConfig
 
@@ -45,6 +46,9 @@ class ConvertOptions:
     embedding: str | None = None
     sampler: bool = True
     kv_cache: str = "fp32"  # "int8": ONNX only, static per-channel scales calibrated at conversion
+    # LiteRT one-token attention: "kernel" (litekv's custom op; the runtime needs litekv's compiled kernel)
+    # or "graph" (builtin ops only, for any LiteRT runtime). None: "kernel" for LiteRT.
+    decode_attention: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -79,11 +83,25 @@ class ConvertOptions:
         if self.kv_cache == "int8" and self.backend != "onnx":
             raise ConfigError("an int8 KV cache needs --backend onnx (onnxruntime's GroupQueryAttention stores it); "
                               "use --kv-cache fp32 with LiteRT.")
+        if self.decode_attention is not None:
+            if self.decode_attention not in DECODE_ATTENTION:
+                raise ConfigError(f"unknown decode attention {self.decode_attention!r}; choose one of "
+                                  f"{', '.join(DECODE_ATTENTION)}.")
+            if self.backend == "onnx":
+                raise ConfigError("--decode-attention is a LiteRT option: ONNX Runtime's GroupQueryAttention "
+                                  "attends in the graph. Drop --decode-attention.")
         QuantPlan.named(self.quantize, self.lm_head, self.embedding)  # validates the head/table choices
 
     @property
     def plan(self) -> QuantPlan:
         return QuantPlan.named(self.quantize, self.lm_head, self.embedding)
+
+    @property
+    def attention_kind(self) -> str:
+        """What the manifest records: the LiteRT decode attention, "graph" for ONNX."""
+        if self.backend == "onnx":
+            return "graph"
+        return self.decode_attention or "kernel"
 
     @property
     def lora(self) -> LoraSpec | None:
@@ -214,7 +232,8 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         sigs = tflite_signatures(options)
         tick = bar.stage("tracing signatures")
         writer, groups = emit_tflite(cfg, ckpt.weights, plan, sigs, options.lora, options.max_context,
-                             progress=lambda name, n=iter(range(1, len(sigs) + 1)): tick(next(n), len(sigs), name))
+                             progress=lambda name, n=iter(range(1, len(sigs) + 1)): tick(next(n), len(sigs), name),
+                             decode_attention=options.attention_kind)
         writer.write(staging / "model.tflite")
         bar.stage("writing model.tflite")(1, 1, f"{writer.data_bytes / 1e6:.0f} MB of weights")
         infos = tuple(SignatureInfo(s.name, "sampler" if s.sampler else ("decode" if s.tokens == 1 and s.logits
@@ -267,7 +286,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         fingerprint=fingerprint(cfg, ckpt.weights, plan), chat_template=tok.chat_template,
         bos_token_id=tok.bos_token_id, eos_token_ids=tuple(tok.eos_token_ids), sampler_file=sampler_file,
         lora_groups={name: [list(parts), list(targets)] for name, (parts, targets) in groups.items()},
-        lora_layout=lora_layout,
+        lora_layout=lora_layout, decode_attention=options.attention_kind,
     )
 
 
@@ -295,6 +314,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-sampler", action="store_true", help="omit the in-graph sampling entry points")
     parser.add_argument("--kv-cache", choices=KV_CACHE_FORMATS, default="fp32",
                         help="KV cache precision; int8 (ONNX only) reads a quarter of the bytes per step")
+    parser.add_argument("--decode-attention", choices=DECODE_ATTENTION,
+                        help="LiteRT one-token attention: kernel (default; litekv's compiled custom op, which "
+                        "reads the cache once) or graph (builtin ops only, for a runtime without litekv)")
 
 
 def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
@@ -312,7 +334,7 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
         prefill_lengths=_ints(args.prefill_lengths, "--prefill-lengths"), lora_rank=args.lora_rank,
         kv_buckets=_ints(args.kv_buckets, "--kv-buckets"),
         decode_buckets=_ints(args.decode_buckets, "--decode-buckets"), lm_head=args.lm_head, embedding=args.embedding,
-        sampler=not args.no_sampler, kv_cache=args.kv_cache,
+        sampler=not args.no_sampler, kv_cache=args.kv_cache, decode_attention=args.decode_attention,
     )
 
 

@@ -7,7 +7,8 @@ seen as rows: XNNPACK copies a bound tensor it reshapes, so the graph never resh
 decode); outputs the updated caches
 under the same names (written by DYNAMIC_UPDATE_SLICE, so one buffer can be bound in place) and
 `logits` [1,1,V] (decode). One more entry point, `sampler`, takes a decode's `logits` and the
-sampler inputs and returns `next_token` int32 [1].
+sampler inputs and returns `next_token` int32 [1]. By default a decode's attention is the custom op
+`litekv.decode_attention` (litekv.native_attention); decode_attention="graph" keeps builtin ops only.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import numpy as np
 from litekv.bundle import SAMPLER_INPUTS
 from litekv.models.base import architecture
 from litekv.models.config import ModelConfig, RopeConfig
+from litekv.native_attention import OP_NAME as DECODE_ATTENTION_OP
 
 from .graph_ops import GraphOps, LoraSpec, Signature, Sym, rope_tables
 from .quantize import QuantPlan, int8_per_channel
@@ -81,9 +83,10 @@ def rotate_half_matrix(dim: int) -> np.ndarray:
 
 class TFLiteOps(GraphOps):
     def __init__(self, cfg: ModelConfig, store: TFLiteWeights, sg: SubgraphBuilder, sig: Signature,
-                 lora: LoraSpec | None, tables):
+                 lora: LoraSpec | None, tables, decode_attention: str = "kernel"):
         super().__init__(cfg, store.weights, store.plan, sig, lora, tables, store.quant_cache)
         self.store = store
+        self.decode_attention = decode_attention  # "kernel": litekv's custom op; "graph": builtin ops
         self.sg = sg
         self._count = 0
         self.kv_outputs: dict[str, Sym] = {}
@@ -257,6 +260,8 @@ class TFLiteOps(GraphOps):
             self.kv_outputs[name] = updated
             caches.append(updated)
         mask = self.local_mask if window is not None else self.mask
+        if t == 1 and self.decode_attention == "kernel":
+            return self._kernel_attention(q, caches, mask, scale)
         if t == 1 and kvh <= SPREAD_MAX_KV_HEADS:
             return self._decode_attention(q, caches, mask, scale)
         # XNNPACK runs a reshape of a bound tensor as a copy: a pass over the cache, which a
@@ -273,6 +278,15 @@ class TFLiteOps(GraphOps):
         out = self._op("BATCH_MATMUL", [probs, values], (kvh, g * t, d), adj_y=True)
         out = self.transpose(self.reshape(out, (kvh, g, t, d)), (2, 0, 1, 3))  # [T, KVH, G, D]
         return self.reshape(out, (1, t, cfg.num_heads * d))
+
+    def _kernel_attention(self, q: Sym, caches: list[Sym], mask: Sym, scale: float) -> Sym:
+        """One query token in litekv's decode-attention kernel (litekv.native_attention), a custom
+        op that reads each cached row once, where XNNPACK's batch matmuls repack the cache."""
+        width = self.cfg.num_heads * self.cfg.head_dim
+        q = self.reshape(self.binary("mul", q, self.const(np.float32(scale))), (1, 1, width))
+        out = self._new((1, 1, width))
+        self.sg.custom_op(DECODE_ATTENTION_OP, [q.ref, caches[0].ref, caches[1].ref, mask.ref], [out.ref])
+        return out
 
     def _decode_attention(self, q: Sym, caches: list[Sym], mask: Sym, scale: float) -> Sym:
         """One query token against the cache as it lies in memory, [S, KVH*D], never transposed or copied.
@@ -315,8 +329,10 @@ class TFLiteOps(GraphOps):
 
 def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan,
                 signatures: Sequence[Signature], lora: LoraSpec | None, max_context: int,
-                progress: Callable[[str], None] | None = None) -> TFLiteModelWriter:
-    """Trace every signature of the architecture into one TFLite model (not yet written)."""
+                progress: Callable[[str], None] | None = None, decode_attention: str = "kernel") -> TFLiteModelWriter:
+    """Trace every signature of the architecture into one TFLite model (not yet written).
+
+    decode_attention: "kernel" runs one-token attention in litekv's custom op, "graph" in builtin ops."""
     weights = dict(weights)
     weights.setdefault("lm_head.weight", weights["embed.weight"])
     writer = TFLiteModelWriter(description=f"litekv {cfg.architecture}")
@@ -325,7 +341,7 @@ def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: Quant
     forward = architecture(cfg.architecture).forward
     groups = {}
     for sig in signatures:
-        ops = TFLiteOps(cfg, store, writer.add_signature(sig.name), sig, lora, tables)
+        ops = TFLiteOps(cfg, store, writer.add_signature(sig.name), sig, lora, tables, decode_attention)
         if sig.sampler:
             ops.sampler()
         else:

@@ -349,6 +349,16 @@ class SubgraphBuilder:
         self.operators.append(o)
         return list(o.outputs)
 
+    def custom_op(self, custom_code: str, inputs: Iterable[int], outputs: Iterable[int], version: int = 1):
+        """Appends custom op ``custom_code`` (no options); the runtime must register its kernel."""
+        o = schema.OperatorT()
+        o.opcodeIndex = self._writer._opcode_index(schema.BuiltinOperator.CUSTOM, version, custom_code)
+        o.inputs = [int(i) for i in inputs]
+        o.outputs = [int(i) for i in outputs]
+        o.customOptionsFormat = schema.CustomOptionsFormat.FLEXBUFFERS
+        self.operators.append(o)
+        return list(o.outputs)
+
     def _to_schema(self) -> schema.SubGraphT:
         sg = schema.SubGraphT()
         sg.name = self.name
@@ -366,7 +376,7 @@ class TFLiteModelWriter:
         self.description = description
         self._buffers: list[np.ndarray | None] = [None]  # buffer 0 is the empty sentinel
         self._dedupe: dict[tuple, int] = {}
-        self._opcodes: list[tuple[int, int]] = []  # (builtin code, version)
+        self._opcodes: list[tuple[int, int, str | None]] = []  # (builtin code, version, custom code)
         self.subgraphs: list[SubgraphBuilder] = []
 
     # -- constants
@@ -412,10 +422,11 @@ class TFLiteModelWriter:
         return self.add_constant(q, name, "int4", BlockwiseQuant(scale_const, block_size))
 
     # -- graph
-    def _opcode_index(self, code: int, version: int) -> int:
-        if (code, version) not in self._opcodes:
-            self._opcodes.append((code, version))
-        return self._opcodes.index((code, version))
+    def _opcode_index(self, code: int, version: int, custom_code: str | None = None) -> int:
+        key = (code, version, custom_code)
+        if key not in self._opcodes:
+            self._opcodes.append(key)
+        return self._opcodes.index(key)
 
     def add_signature(self, key: str) -> SubgraphBuilder:
         """New subgraph exposed as signature ``key`` (inputs/outputs by name)."""
@@ -435,11 +446,12 @@ class TFLiteModelWriter:
         m.version = 3
         m.description = self.description
         m.operatorCodes = []
-        for code, version in self._opcodes:
+        for code, version, custom_code in self._opcodes:
             oc = schema.OperatorCodeT()
             oc.builtinCode = code
             oc.deprecatedBuiltinCode = min(code, schema.BuiltinOperator.PLACEHOLDER_FOR_GREATER_OP_CODES)
             oc.version = version
+            oc.customCode = custom_code
             m.operatorCodes.append(oc)
         m.subgraphs = [sg._to_schema() for sg in self.subgraphs]
         m.buffers = []

@@ -17,7 +17,11 @@ from litekv.models.config import ModelConfig
 
 MANIFEST = "litekv.json"
 FORMAT = "litekv-bundle"
-VERSION = 3  # 2: TFLite KV cache tensors are [1,S,KVH*D]; 3: one TFLite sampler entry point fed with logits
+# 2: TFLite KV cache tensors are [1,S,KVH*D]; 3: one TFLite sampler entry point fed with logits;
+# 4: `decode_attention` (TFLite one-token attention may be litekv's custom op). Version 3 reads as "graph".
+VERSION = 4
+READABLE_VERSIONS = (3, 4)
+DECODE_ATTENTION = ("kernel", "graph")
 SAMPLER_SIGNATURE = "sampler"
 # The sampler graph's scalar inputs, each of shape [1], in order: (name, dtype).
 SAMPLER_INPUTS = (("temperature", "float32"), ("top_k", "int32"), ("top_p", "float32"), ("seed", "int32"))
@@ -65,6 +69,8 @@ class Manifest:
     # inputs lora_a_<layer>_<name> / lora_b_<layer>_<name> in `lora_layout` ("out_in" or "in_out").
     lora_groups: dict[str, list[list[str]]] = field(default_factory=dict)
     lora_layout: str = "out_in"
+    # TFLite one-token attention: "kernel" (litekv.native_attention's custom op) or "graph" (builtin ops)
+    decode_attention: str = "graph"
 
     def signature(self, name: str) -> SignatureInfo:
         for sig in self.signatures:
@@ -85,9 +91,10 @@ class Manifest:
             raise BundleError(f"{where}: the manifest is not valid JSON ({e}); reconvert the model.") from e
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise BundleError(f"{where}: not a litekv bundle manifest.")
-        if data.get("version") != VERSION:
+        if data.get("version") not in READABLE_VERSIONS:
             raise BundleError(f"{where}: bundle format version {data.get('version')} is not supported by this "
-                              f"litekv (it reads version {VERSION}); reconvert the model or upgrade litekv.")
+                              f"litekv (it reads versions {', '.join(map(str, READABLE_VERSIONS))}); reconvert the "
+                              "model or upgrade litekv.")
         try:
             data.pop("format"), data.pop("version")
             data["config"] = ModelConfig.from_dict(data["config"])
@@ -95,9 +102,12 @@ class Manifest:
                                                         "outputs": tuple(s["outputs"])}) for s in data["signatures"])
             for key in ("prefill_lengths", "kv_buckets", "lora_targets", "eos_token_ids"):
                 data[key] = tuple(data[key])
-            return cls(**data)
+            manifest = cls(**data)
         except (KeyError, TypeError) as e:
             raise BundleError(f"{where}: the manifest is incomplete ({e}); reconvert the model.") from e
+        if manifest.decode_attention not in DECODE_ATTENTION:
+            raise BundleError(f"{where}: unknown decode_attention {manifest.decode_attention!r}; reconvert the model.")
+        return manifest
 
 
 def read_manifest(bundle: str | Path) -> Manifest:

@@ -101,13 +101,17 @@ def checkpoint_path(name: str = DEFAULT_MODEL, install: bool = True) -> Path:
 def prepared_bundle(name: str = DEFAULT_MODEL, backend: str = "litert", quantize: str = "int8",
                     max_context: int = 4096) -> Path:
     """A converted bundle of a catalog model in the user cache, converted (with progress) on first use."""
+    from litekv import native_attention
     from litekv.converters.convert import ConvertOptions, convert  # conversion needs litekv[convert]
 
-    path = cache_dir() / "bundles" / f"{name}-{backend}-{quantize}-{max_context}-v{BUNDLE_VERSION}"
+    # This installation runs what it converts: the attention kernel only where it was built.
+    attention = None if backend == "onnx" else ("kernel" if native_attention.available() else "graph")
+    variant = "" if attention in (None, "kernel") else f"-{attention}-attention"
+    path = cache_dir() / "bundles" / f"{name}-{backend}-{quantize}-{max_context}{variant}-v{BUNDLE_VERSION}"
     if not (path / "litekv.json").exists():
         source = checkpoint_path(name)
         print(f"litekv: preparing {name} as a {backend} {quantize} bundle (first use only)...", file=sys.stderr)
         path.parent.mkdir(parents=True, exist_ok=True)
-        convert(source, path, ConvertOptions(backend=backend, quantize=quantize, max_context=max_context),
-                show_progress=True)
+        convert(source, path, ConvertOptions(backend=backend, quantize=quantize, max_context=max_context,
+                                             decode_attention=attention), show_progress=True)
     return path

@@ -35,7 +35,7 @@ import os
 import tempfile
 import threading
 from contextlib import contextmanager
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -169,6 +169,10 @@ _PROTOTYPES = {
         _ST, [ctypes.POINTER(_RankedTensorType), _P, _SIZE, _P, _PP]),
     "LiteRtDestroyTensorBuffer": (None, [_P]),
     "LiteRtRunCompiledModel": (_ST, [_P, _SIZE, _SIZE, _PP, _SIZE, _PP]),
+    # litert/c/litert_options.h and litert_tensor_buffer.h, for custom op kernels
+    "LiteRtAddCustomOpKernelOption": (_ST, [_P, ctypes.c_char_p, ctypes.c_int, _P, _P]),
+    "LiteRtGetTensorBufferHostMemory": (_ST, [_P, _PP]),
+    "LiteRtGetTensorBufferSize": (_ST, [_P, _PSIZE]),
 }
 
 _lib: ctypes.CDLL | None = None
@@ -227,6 +231,11 @@ def _load() -> ctypes.CDLL:
             libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
             _libc, _lib = libc, lib
     return _lib
+
+
+def library() -> ctypes.CDLL:
+    """The loaded LiteRT C API, for code that hands its entry points on (custom op kernels)."""
+    return _load()
 
 
 def _status_text(status: int) -> str:
@@ -537,6 +546,16 @@ def _read_signatures(lib: ctypes.CDLL, model: int) -> dict[str, SignatureInfo]:
 # ----------------------------------------------------------------------- model
 
 
+class CustomOp(Protocol):
+    """A custom op kernel for LiteRT's CPU runtime (see litekv.native_attention)."""
+
+    def register(self, lib: ctypes.CDLL, options: int) -> int:
+        """Adds the kernel to the LiteRtOptions `options`; returns the LiteRtStatus."""
+
+    def release(self) -> None:
+        """Frees what the kernel's runs used; called after the compiled model is destroyed."""
+
+
 class CompiledTFLiteModel:
     """A ``.tflite`` file compiled by LiteRT for one accelerator, run with host buffers.
 
@@ -547,6 +566,7 @@ class CompiledTFLiteModel:
       load writes it, later loads map it; with several signatures it also keeps one
       packed copy of the shared weights instead of one per signature. Use one file per
       model file and delete it when the model file changes.
+    * ``custom_ops``: kernels for the model's custom ops, kept alive with the model.
 
     ``run`` binds every input and output of a signature by name; ``cancel`` stops a
     run from another thread. Use as a context manager or call ``close()``.
@@ -555,7 +575,8 @@ class CompiledTFLiteModel:
     def __init__(self, path: str | os.PathLike, *, accelerator: str = "cpu",
                  num_threads: int | None = None,
                  weight_cache_path: str | os.PathLike | None = None,
-                 environment: Environment | None = None):
+                 environment: Environment | None = None,
+                 custom_ops: Sequence["CustomOp"] = ()):
         lib = _load()
         self.path = os.fspath(path)
         if accelerator not in _ACCELERATORS:
@@ -573,6 +594,7 @@ class CompiledTFLiteModel:
         self._cancel_flag = (ctypes.c_uint8 * 2)()  # see _install_cancellation
         # run()'s checked bindings; they hold no reference to the model (no cycle).
         self._bindings: dict[tuple, _Binding] = {}
+        self._custom_ops = list(custom_ops)  # their kernels and user data must outlive the model
 
         env = self.environment.handle
         if env is None:
@@ -598,6 +620,8 @@ class CompiledTFLiteModel:
             # Buffer error reporter: the interpreter's messages become retrievable with
             # LiteRtCompiledModelGetErrorMessages instead of going to stderr.
             self._add_opaque_options(lib, "runtime_options_string", "error_reporter_mode = 2\n")
+            for op in self._custom_ops:
+                _check(op.register(lib, self._options), "LiteRtAddCustomOpKernelOption")
 
             handle = ctypes.c_void_p()
             with _native_stderr() as log:
@@ -844,6 +868,9 @@ class CompiledTFLiteModel:
                 global _live_models
                 _live_models -= 1
                 _destroy_parked_handles()
+            for op in self._custom_ops:  # after the model: a kernel's state serves its runs
+                op.release()
+            self._custom_ops = []
 
     def __enter__(self) -> "CompiledTFLiteModel":
         return self

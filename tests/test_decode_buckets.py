@@ -49,6 +49,15 @@ def test_bucket_options_are_refused_for_onnx(field):
         ConvertOptions(backend="onnx", max_context=64, prefill_lengths=(8,), **{field: (16, 64)})
 
 
+def test_decode_attention_is_a_litert_option():
+    assert ConvertOptions(max_context=64, prefill_lengths=(8,)).attention_kind == "kernel"
+    assert ConvertOptions(backend="onnx", max_context=64, prefill_lengths=(8,)).attention_kind == "graph"
+    with pytest.raises(ConfigError, match="--decode-attention is a LiteRT option"):
+        ConvertOptions(backend="onnx", max_context=64, prefill_lengths=(8,), decode_attention="kernel")
+    with pytest.raises(ConfigError, match="unknown decode attention 'fast'"):
+        ConvertOptions(max_context=64, prefill_lengths=(8,), decode_attention="fast")
+
+
 @pytest.mark.parametrize("drop", ["every decode entry point", "the max-context decode entry point"])
 def test_a_manifest_without_a_decode_bucket_for_every_length_is_refused(drop):
     """A step must always find a bucket; a hand-edited or truncated manifest is caught at load."""
@@ -70,12 +79,14 @@ def test_a_manifest_without_a_decode_bucket_for_every_length_is_refused(drop):
         LiteRTExecutor(path, dataclasses.replace(manifest, signatures=tuple(kept)))
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
+@pytest.fixture(scope="module", params=[(arch, attention) for arch in ("llama", "gemma3")
+                                        for attention in ("kernel", "graph")], ids=lambda p: "-".join(p))
 def split_bucket_executor(request):
-    arch = request.param
+    """Both one-token attention forms: litekv's kernel (the default) and builtin ops only."""
+    arch, attention = request.param
     options = ConvertOptions(backend="litert", max_context=MAX_CONTEXT, prefill_lengths=PREFILL_LENGTHS,
-                             kv_buckets=PREFILL_BUCKETS, decode_buckets=DECODE_BUCKETS)
-    path = convert(checkpoint_dir(arch), scratch_dir("litekv-decode-buckets-") / arch, options)
+                             kv_buckets=PREFILL_BUCKETS, decode_buckets=DECODE_BUCKETS, decode_attention=attention)
+    path = convert(checkpoint_dir(arch), scratch_dir("litekv-decode-buckets-") / f"{arch}-{attention}", options)
     return arch, open_executor(path)
 
 

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
+from litekv import litert_capi, native_attention
 from litekv.bundle import SAMPLER_INPUTS, SAMPLER_SIGNATURE, BundleError, Manifest
 from litekv.catalog import cache_dir
-from litekv.errors import AcceleratorUnavailable
+from litekv.errors import AcceleratorUnavailable, MissingDependency
 from litekv.kv_cache import KVCache, aligned_zeros
 from litekv.litert_capi import CompiledTFLiteModel, HostTensorBuffer
 from litekv.resident_pages import FileMappings, ModelFilePages
@@ -169,7 +170,8 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         for kind in order:
             try:
                 self.model = CompiledTFLiteModel(path, accelerator=kind, num_threads=threads or 2,
-                                                 weight_cache_path=weight_cache if kind == "cpu" else None)
+                                                 weight_cache_path=weight_cache if kind == "cpu" else None,
+                                                 custom_ops=self._custom_ops(bundle, manifest, threads or 2))
                 self.accelerator = kind
                 break
             except AcceleratorUnavailable as e:
@@ -192,6 +194,19 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
                                                   self._sliding)
         self._run_lock = threading.Lock()  # the signature IO buffers are shared by all caches
         self._pool = _KVMemoryPool()
+
+    @staticmethod
+    def _custom_ops(bundle: str | Path, manifest: Manifest, threads: int) -> list:
+        """The kernels the bundle's custom ops need: litekv's decode attention, if it uses it."""
+        if manifest.decode_attention != "kernel":
+            return []
+        cfg = manifest.config
+        try:
+            return [native_attention.AttentionKernel(cfg.head_dim, cfg.num_heads, manifest.max_context, threads,
+                                                     litert=litert_capi.library())]
+        except MissingDependency as e:
+            raise BundleError(f"{bundle}: its decode steps attend in litekv's attention kernel, and {e}. Or reconvert "
+                              "the model with --decode-attention graph, which needs LiteRT's builtin ops only.") from e
 
     def create_kv_cache(self, batch_size: int = 1) -> KVCache:
         cfg = self.config

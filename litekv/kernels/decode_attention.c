@@ -1,0 +1,464 @@
+/* One-token attention over a KV cache, as a LiteRT custom op ("litekv.decode_attention").
+ *
+ * A decode step's attention reads each layer's whole cache for a single query row. XNNPACK runs
+ * it as two batch matmuls that repack the cache on every call; this kernel streams each cached
+ * row once, in place, for all heads.
+ *
+ * Inputs:  query  f32 [1, 1, H*D]   (RoPE and the attention scale already applied)
+ *          keys   f32 [1, S, KVH*D] (the cache rows, this step's row already written)
+ *          values f32 [1, S, KVH*D]
+ *          mask   f32 [.., S]       (0 = attend; <= -1e30 = masked; added to the scores)
+ * Output:  f32 [1, 1, H*D], head h attending with KV head h / (H / KVH).
+ * S and H come from the buffer sizes, D from the registration (AttentionConfig), which also
+ * carries the two LiteRT entry points the kernel calls, so this library does not link LiteRT.
+ *
+ * With two threads the unmasked span of slots is cut in two halves; each thread computes its
+ * half's scores, softmax numerators and weighted values, and the halves are merged with their
+ * maxima (as in split-K "flash decoding"). The helper thread spins briefly, then sleeps.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MASKED_BELOW (-1e30f)
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 32 /* slots ahead: software prefetch crosses the 4 KB pages hardware stops at */
+#endif
+#ifndef PREFETCH_LOCALITY
+#define PREFETCH_LOCALITY 2 /* into L2, which takes more misses in flight than L1 */
+#endif
+#define SPIN_ROUNDS 4000
+#define MAX_RANK 8
+
+/* Built where it runs, but possibly for a wider family (a wheel): pick AVX-512 or AVX2 at load. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+/* Helpers are inlined into the cloned function, so each ISA clone gets its own vector code. */
+#define INLINE static inline __attribute__((always_inline))
+
+typedef int Status; /* LiteRtStatus: 0 = ok */
+enum { STATUS_OK = 0, STATUS_INVALID_ARGUMENT = 1, STATUS_RUNTIME_FAILURE = 3 };
+
+typedef struct {
+    unsigned int rank : 7;
+    bool has_strides : 1;
+    int32_t dimensions[MAX_RANK];
+    uint32_t strides[MAX_RANK];
+} Layout; /* LiteRtLayout */
+
+typedef Status (*HostMemoryFn)(void *buffer, void **address);
+typedef Status (*SizeFn)(void *buffer, size_t *size);
+
+/* What Python hands to the kernel as user data; one per compiled model. */
+typedef struct {
+    HostMemoryFn host_memory;
+    SizeFn buffer_size;
+    int32_t head_dim;
+    int32_t threads;
+    int32_t max_slots; /* scratch is sized for this many slots per head */
+    int32_t num_heads;
+    void *state; /* owned by this library: scratch and the helper thread */
+} AttentionConfig;
+
+typedef struct {
+    const float *query, *keys, *values, *mask;
+    int heads, kv_heads, head_dim, row; /* row = KVH * D floats per cached slot */
+    float *scores;                      /* [heads][stride]: column i is slot lo + i */
+    int stride;
+} Job;
+
+typedef struct {
+    int lo, hi, first; /* slots lo..hi; their scores start at column `first` */
+    float *acc;        /* [heads * D] weighted values, not yet divided by the sum */
+    float *max, *sum;  /* [heads] */
+} Part;
+
+typedef struct {
+    float *scores, *acc, *max, *sum;
+    pthread_t helper;
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    atomic_int generation, done, stop;
+    Job job;
+    Part part;
+    int helper_running;
+} State;
+
+/* ---- the arithmetic ------------------------------------------------------------------------- */
+
+/* 16 floats; GCC and Clang lower it to one AVX-512 register, two AVX2 registers, or four SSE ones. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+
+INLINE v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+INLINE float sum16(v16 a) {
+    v8 h = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    return ((h[0] + h[4]) + (h[1] + h[5])) + ((h[2] + h[6]) + (h[3] + h[7]));
+}
+
+/* e^x for x <= 0 (a score minus a maximum), 0 below -87: 2^n * 2^f with a degree-6 polynomial
+ * for 2^f, f in [-0.5, 0.5], relative error ~2e-7. Plain arithmetic, so loops over it vectorize. */
+INLINE float exp_nonpositive(float x) {
+    const float t = (x < -87.0f ? -87.0f : x) * 1.44269504f;
+    const float n = __builtin_floorf(t + 0.5f), f = t - n;
+    float p = 1.5403530e-4f;
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    union { uint32_t u; float f; } scale = {(uint32_t)((int32_t)n + 127) << 23};
+    return x < -87.0f ? 0.0f : p * scale.f;
+}
+
+/* Lane r of the result is the sum of the 16 lanes of a[r]: a transpose-and-add tree, 45 vector
+ * operations for 16 dot products instead of 16 horizontal sums. */
+INLINE v16 sum16x16(const v16 *a) {
+    v16 b[8], c[4], d[2];
+    for (int j = 0; j < 8; j++)
+        b[j] = __builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(a[2 * j], a[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int j = 0; j < 4; j++)
+        c[j] = __builtin_shufflevector(b[2 * j], b[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(b[2 * j], b[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int j = 0; j < 2; j++)
+        d[j] = __builtin_shufflevector(c[2 * j], c[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(c[2 * j], c[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+#define BLOCK 16 /* slots per block: one vector of scores per head */
+
+/* Scores, softmax numerators and weighted values of slots part->lo..hi for every head, head_dim =
+ * 16 * C. Slots go in blocks of 16: each head's 16 dot products end in one reduction tree, and the
+ * weighted values of GB heads at a time stay in registers while the block's rows are read. */
+#define DEFINE_PART(C, GB)                                                                             \
+    INLINE void part_##C(const Job *job, Part *part) {                                                 \
+        const int heads = job->heads, group = heads / job->kv_heads, row = job->row;                   \
+        const int n = part->hi - part->lo + 1;                                                         \
+        for (int i0 = 0; i0 < n; i0 += BLOCK) {                                                        \
+            const int rows = n - i0 < BLOCK ? n - i0 : BLOCK, s0 = part->lo + i0;                      \
+            for (int r = 0; r < rows; r++)                                                             \
+                for (int c = 0; c < job->kv_heads * C; c++)                                            \
+                    __builtin_prefetch(job->keys + (size_t)(s0 + PREFETCH_ROWS + r) * row + 16 * c, 0, PREFETCH_LOCALITY); \
+            for (int kv = 0; kv < job->kv_heads; kv++)                                                 \
+                for (int g = 0; g < group; g++) {                                                      \
+                    const int h = kv * group + g;                                                      \
+                    const float *q = job->query + (size_t)h * 16 * C;                                  \
+                    v16 a[BLOCK];                                                                      \
+                    _Pragma("GCC unroll 16") for (int r = 0; r < BLOCK; r++) {                         \
+                        const float *k = job->keys + (size_t)(s0 + (r < rows ? r : 0)) * row + (size_t)kv * 16 * C; \
+                        a[r] = load16(q) * load16(k);                                                  \
+                        _Pragma("GCC unroll 16") for (int c = 1; c < C; c++) a[r] += load16(q + 16 * c) * load16(k + 16 * c); \
+                    }                                                                                  \
+                    const v16 sums = sum16x16(a);                                                      \
+                    memcpy(job->scores + (size_t)h * job->stride + part->first + i0, &sums, sizeof(float) * rows); \
+                }                                                                                      \
+        }                                                                                              \
+        for (int h = 0; h < heads; h++) {                                                              \
+            float *sc = job->scores + (size_t)h * job->stride + part->first, best = -INFINITY, total = 0; \
+            const float *m = job->mask + part->lo;                                                     \
+            for (int i = 0; i < n; i++) {                                                              \
+                sc[i] = m[i] <= MASKED_BELOW ? -INFINITY : sc[i] + m[i];                               \
+                best = sc[i] > best ? sc[i] : best;                                                    \
+            }                                                                                          \
+            for (int i = 0; i < n; i++) {                                                              \
+                sc[i] = exp_nonpositive(sc[i] - best);                                                 \
+                total += sc[i];                                                                        \
+            }                                                                                          \
+            part->max[h] = best;                                                                       \
+            part->sum[h] = total;                                                                      \
+        }                                                                                              \
+        memset(part->acc, 0, sizeof(float) * (size_t)heads * 16 * C);                                  \
+        for (int i0 = 0; i0 < n; i0 += BLOCK) {                                                        \
+            const int rows = n - i0 < BLOCK ? n - i0 : BLOCK, s0 = part->lo + i0;                      \
+            for (int r = 0; r < rows; r++)                                                             \
+                for (int c = 0; c < job->kv_heads * C; c++)                                            \
+                    __builtin_prefetch(job->values + (size_t)(s0 + PREFETCH_ROWS + r) * row + 16 * c, 0, PREFETCH_LOCALITY); \
+            for (int kv = 0; kv < job->kv_heads; kv++)                                                 \
+                for (int g0 = 0; g0 < group; g0 += GB) {                                               \
+                    const int gb = group - g0 < GB ? group - g0 : GB;                                  \
+                    v16 acc[GB][C];                                                                    \
+                    float *dst = part->acc + (size_t)(kv * group + g0) * 16 * C;                       \
+                    _Pragma("GCC unroll 16") for (int g = 0; g < GB; g++)                              \
+                        _Pragma("GCC unroll 16") for (int c = 0; c < C; c++) acc[g][c] = g < gb ? load16(dst + (g * C + c) * 16) : (v16){0}; \
+                    for (int r = 0; r < rows; r++) {                                                   \
+                        const float *v = job->values + (size_t)(s0 + r) * row + (size_t)kv * 16 * C;   \
+                        v16 value[C];                                                                  \
+                        _Pragma("GCC unroll 16") for (int c = 0; c < C; c++) value[c] = load16(v + 16 * c); \
+                        _Pragma("GCC unroll 16") for (int g = 0; g < GB; g++) {                        \
+                            const float w = g < gb ? job->scores[(size_t)(kv * group + g0 + g) * job->stride + part->first + i0 + r] : 0.0f; \
+                            _Pragma("GCC unroll 16") for (int c = 0; c < C; c++) acc[g][c] += w * value[c]; \
+                        }                                                                              \
+                    }                                                                                  \
+                    for (int g = 0; g < gb; g++) memcpy(dst + g * C * 16, acc[g], sizeof acc[g]);      \
+                }                                                                                      \
+        }                                                                                              \
+    }
+
+DEFINE_PART(4, 3)
+DEFINE_PART(8, 1)
+DEFINE_PART(16, 1)
+
+/* Any head_dim: the same computation one float at a time. */
+INLINE void part_any(const Job *job, Part *part) {
+    const int d = job->head_dim, heads = job->heads, group = heads / job->kv_heads, n = part->hi - part->lo + 1;
+    for (int h = 0; h < heads; h++) {
+        const float *q = job->query + (size_t)h * d;
+        float *sc = job->scores + (size_t)h * job->stride + part->first, best = -INFINITY, total = 0.0f;
+        for (int i = 0; i < n; i++) {
+            const int s = part->lo + i;
+            const float *k = job->keys + (size_t)s * job->row + (size_t)(h / group) * d;
+            float dot = 0.0f;
+            for (int j = 0; j < d; j++) dot += q[j] * k[j];
+            sc[i] = job->mask[s] <= MASKED_BELOW ? -INFINITY : dot + job->mask[s];
+            best = sc[i] > best ? sc[i] : best;
+        }
+        float *acc = part->acc + (size_t)h * d;
+        memset(acc, 0, sizeof(float) * d);
+        for (int i = 0; i < n; i++) {
+            sc[i] = exp_nonpositive(sc[i] - best);
+            total += sc[i];
+            const float *v = job->values + (size_t)(part->lo + i) * job->row + (size_t)(h / group) * d;
+            for (int j = 0; j < d; j++) acc[j] += sc[i] * v[j];
+        }
+        part->max[h] = best;
+        part->sum[h] = total;
+    }
+}
+
+VECTOR_CLONES static void attend_part(const Job *job, Part *part) {
+    if (part->lo > part->hi) { /* an empty half: it weighs nothing in the merge */
+        for (int h = 0; h < job->heads; h++) part->max[h] = -INFINITY, part->sum[h] = 0.0f;
+        memset(part->acc, 0, sizeof(float) * (size_t)job->heads * job->head_dim);
+        return;
+    }
+    switch (job->head_dim) {
+    case 64: part_4(job, part); break;
+    case 128: part_8(job, part); break;
+    case 256: part_16(job, part); break;
+    default: part_any(job, part);
+    }
+}
+
+/* out[h] = sum over parts of acc * e^(max - M) / sum over parts of sum * e^(max - M). */
+static void merge(const Job *job, const Part *parts, int count, float *out) {
+    const int d = job->head_dim;
+    for (int h = 0; h < job->heads; h++) {
+        float best = -INFINITY, total = 0.0f, weight[2];
+        for (int p = 0; p < count; p++) best = parts[p].max[h] > best ? parts[p].max[h] : best;
+        for (int p = 0; p < count; p++) {
+            weight[p] = parts[p].sum[h] > 0.0f ? exp_nonpositive(parts[p].max[h] - best) : 0.0f;
+            total += weight[p] * parts[p].sum[h];
+        }
+        for (int p = 0; p < count; p++) weight[p] /= total;
+        float *o = out + (size_t)h * d;
+        for (int j = 0; j < d; j++) {
+            float v = 0.0f;
+            for (int p = 0; p < count; p++) v += weight[p] * parts[p].acc[(size_t)h * d + j];
+            o[j] = v;
+        }
+    }
+}
+
+/* ---- the helper thread ---------------------------------------------------------------------- */
+
+static void *helper_main(void *arg) {
+    State *st = arg;
+    int seen = 0;
+    for (;;) {
+        for (int spins = 0; atomic_load_explicit(&st->generation, memory_order_acquire) == seen &&
+                            !atomic_load(&st->stop); spins++) {
+            if (spins > SPIN_ROUNDS) { /* idle between steps: sleep instead of holding the core */
+                pthread_mutex_lock(&st->lock);
+                while (atomic_load(&st->generation) == seen && !atomic_load(&st->stop))
+                    pthread_cond_wait(&st->wake, &st->lock);
+                pthread_mutex_unlock(&st->lock);
+            }
+        }
+        if (atomic_load(&st->stop)) return NULL;
+        seen = atomic_load_explicit(&st->generation, memory_order_acquire);
+        attend_part(&st->job, &st->part);
+        atomic_store_explicit(&st->done, seen, memory_order_release);
+    }
+}
+
+/* ---- the computation, on host arrays -------------------------------------------------------- */
+
+/* The unmasked span lo..hi of the mask, or lo > hi. */
+static void live_span(const float *mask, int slots, int *lo, int *hi) {
+    *lo = 0, *hi = slots - 1;
+    while (*lo <= *hi && mask[*lo] <= MASKED_BELOW) ++*lo;
+    while (*hi >= *lo && mask[*hi] <= MASKED_BELOW) --*hi;
+}
+
+static void attend(State *st, Job *job, int slots, float *out, int threads) {
+    int lo, hi;
+    live_span(job->mask, slots, &lo, &hi);
+    const size_t width = (size_t)job->heads * job->head_dim;
+    if (lo > hi) {
+        memset(out, 0, sizeof(float) * width);
+        return;
+    }
+    const int halves = threads > 1 && hi - lo >= 64 ? 2 : 1, mid = lo + (hi - lo + 1) / 2;
+    Part parts[2] = {{lo, halves == 2 ? mid - 1 : hi, 0, st->acc, st->max, st->sum},
+                     {mid, hi, mid - lo, st->acc + width, st->max + job->heads, st->sum + job->heads}};
+    if (halves == 2) {
+        st->job = *job;
+        st->part = parts[1];
+        const int gen = atomic_load(&st->generation) + 1;
+        pthread_mutex_lock(&st->lock);
+        atomic_store_explicit(&st->generation, gen, memory_order_release);
+        pthread_cond_signal(&st->wake);
+        pthread_mutex_unlock(&st->lock);
+        attend_part(job, &parts[0]);
+        while (atomic_load_explicit(&st->done, memory_order_acquire) != gen) sched_yield();
+    } else {
+        attend_part(job, &parts[0]);
+    }
+    merge(job, parts, halves, out);
+}
+
+static State *state_create(int heads, int head_dim, int max_slots, int threads) {
+    State *st = calloc(1, sizeof(State));
+    if (!st) return NULL;
+    const size_t width = (size_t)heads * head_dim;
+    st->scores = malloc(sizeof(float) * (size_t)heads * (size_t)max_slots);
+    st->acc = malloc(sizeof(float) * 2 * width);
+    st->max = malloc(sizeof(float) * 4 * (size_t)heads);
+    if (!st->scores || !st->acc || !st->max) {
+        free(st->scores), free(st->acc), free(st->max), free(st);
+        return NULL;
+    }
+    st->sum = st->max + 2 * heads;
+    pthread_mutex_init(&st->lock, NULL);
+    pthread_cond_init(&st->wake, NULL);
+    if (threads > 1 && pthread_create(&st->helper, NULL, helper_main, st) == 0) st->helper_running = 1;
+    return st;
+}
+
+static void state_destroy(State *st) {
+    if (st->helper_running) {
+        pthread_mutex_lock(&st->lock);
+        atomic_store(&st->stop, 1);
+        pthread_cond_signal(&st->wake);
+        pthread_mutex_unlock(&st->lock);
+        pthread_join(st->helper, NULL);
+    }
+    pthread_mutex_destroy(&st->lock);
+    pthread_cond_destroy(&st->wake);
+    free(st->scores), free(st->acc), free(st->max), free(st);
+}
+
+/* ---- LiteRT custom op callbacks ------------------------------------------------------------- */
+
+static Status op_init(void *user_data, const void *init_data, size_t init_data_size) {
+    (void)init_data;
+    (void)init_data_size;
+    AttentionConfig *cfg = user_data;
+    if (cfg->state) return STATUS_OK; /* one registration serves every node and entry point */
+    cfg->state = state_create(cfg->num_heads, cfg->head_dim, cfg->max_slots, cfg->threads);
+    return cfg->state ? STATUS_OK : STATUS_RUNTIME_FAILURE;
+}
+
+static Status op_output_layouts(void *user_data, size_t num_inputs, const Layout *inputs, size_t num_outputs,
+                                Layout *outputs) {
+    (void)user_data;
+    if (num_inputs != 4 || num_outputs != 1) return STATUS_INVALID_ARGUMENT;
+    outputs[0] = inputs[0]; /* the output has the query's shape */
+    return STATUS_OK;
+}
+
+static Status buffer(const AttentionConfig *cfg, void *handle, void **address, size_t *floats) {
+    size_t bytes = 0;
+    if (cfg->host_memory(handle, address) != STATUS_OK || cfg->buffer_size(handle, &bytes) != STATUS_OK)
+        return STATUS_RUNTIME_FAILURE;
+    *floats = bytes / sizeof(float);
+    return STATUS_OK;
+}
+
+/* Checks the sizes and fills the job; the scores go to `scores` with `stride` columns per head. */
+static Status make_job(Job *job, const float *q, size_t nq, const float *k, size_t nk, const float *v, size_t nv,
+                       const float *m, size_t slots, int head_dim, int max_heads, float *scores, int stride) {
+    if (head_dim <= 0 || slots == 0 || slots > (size_t)stride || nq % head_dim || nk != nv || nk % slots ||
+        (nk / slots) % head_dim || nq / head_dim > (size_t)max_heads)
+        return STATUS_INVALID_ARGUMENT;
+    const int heads = (int)(nq / head_dim), kv_heads = (int)(nk / slots / head_dim);
+    if (heads == 0 || kv_heads == 0 || heads % kv_heads) return STATUS_INVALID_ARGUMENT;
+    *job = (Job){q, k, v, m, heads, kv_heads, head_dim, kv_heads * head_dim, scores, stride};
+    return STATUS_OK;
+}
+
+static Status op_run(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs, void **outputs) {
+    AttentionConfig *cfg = user_data;
+    State *st = cfg->state;
+    if (!st || num_inputs != 4 || num_outputs != 1) return STATUS_INVALID_ARGUMENT;
+    void *q, *k, *v, *m, *o;
+    size_t nq, nk, nv, nm, no;
+    if (buffer(cfg, inputs[0], &q, &nq) || buffer(cfg, inputs[1], &k, &nk) || buffer(cfg, inputs[2], &v, &nv) ||
+        buffer(cfg, inputs[3], &m, &nm) || buffer(cfg, outputs[0], &o, &no))
+        return STATUS_RUNTIME_FAILURE;
+    Job job;
+    /* a decode mask holds one row of S slots */
+    if (nq != no || make_job(&job, q, nq, k, nk, v, nv, m, nm, cfg->head_dim, cfg->num_heads, st->scores,
+                             cfg->max_slots))
+        return STATUS_INVALID_ARGUMENT;
+    attend(st, &job, (int)nm, o, cfg->threads);
+    return STATUS_OK;
+}
+
+static Status op_destroy(void *user_data) {
+    (void)user_data; /* the state lives until litekv_attention_release: entry points share it */
+    return STATUS_OK;
+}
+
+/* ---- exported ------------------------------------------------------------------------------- */
+
+typedef struct {
+    void *init, *output_layouts, *run, *destroy;
+} Kernel; /* LiteRtCustomOpKernel */
+
+void litekv_attention_kernel(Kernel *kernel) {
+    kernel->init = (void *)op_init;
+    kernel->output_layouts = (void *)op_output_layouts;
+    kernel->run = (void *)op_run;
+    kernel->destroy = (void *)op_destroy;
+}
+
+/* Stops the helper thread and frees the scratch; call after the compiled model is destroyed. */
+void litekv_attention_release(AttentionConfig *cfg) {
+    if (cfg->state) state_destroy(cfg->state);
+    cfg->state = NULL;
+}
+
+/* The same computation on host arrays, with the registration's state (tests, benchmarks): query
+ * [H*D], keys and values [slots, KVH*D], mask [slots], out [H*D]. */
+int litekv_attention_run(AttentionConfig *cfg, const float *query, const float *keys, const float *values,
+                         const float *mask, float *out, int heads, int kv_heads, int slots) {
+    if (heads <= 0 || kv_heads <= 0 || slots <= 0) return STATUS_INVALID_ARGUMENT;
+    if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
+    const size_t n = (size_t)slots * kv_heads * cfg->head_dim;
+    Job job;
+    State *st = cfg->state;
+    Status status = make_job(&job, query, (size_t)heads * cfg->head_dim, keys, n, values, n, mask, (size_t)slots,
+                             cfg->head_dim, cfg->num_heads, st->scores, cfg->max_slots);
+    if (status == STATUS_OK) attend(st, &job, slots, out, cfg->threads);
+    return status;
+}

@@ -1,0 +1,128 @@
+"""litekv's decode-attention kernel (litekv/kernels/decode_attention.c) as a LiteRT custom op.
+
+The kernel is compiled when litekv is installed (a C compiler is needed) into the shared library
+`litekv._decode_attention`, loaded here with ctypes. Bundles whose decode entry points use it say
+so in their manifest (`decode_attention: "kernel"`); without the library they cannot run, and
+`--decode-attention graph` converts a bundle that needs nothing beyond LiteRT's builtin ops.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import threading
+
+import numpy as np
+
+from litekv.errors import MissingDependency
+
+OP_NAME = "litekv.decode_attention"
+OP_VERSION = 1
+_MODULE = "litekv._decode_attention"
+
+
+class AttentionConfig(ctypes.Structure):
+    """The kernel's user data (decode_attention.c: AttentionConfig)."""
+
+    _fields_ = [("host_memory", ctypes.c_void_p), ("buffer_size", ctypes.c_void_p),
+                ("head_dim", ctypes.c_int32), ("threads", ctypes.c_int32), ("max_slots", ctypes.c_int32),
+                ("num_heads", ctypes.c_int32), ("state", ctypes.c_void_p)]
+
+
+class CustomOpKernel(ctypes.Structure):
+    """LiteRtCustomOpKernel: Init, GetOutputLayouts, Run, Destroy."""
+
+    _fields_ = [("init", ctypes.c_void_p), ("output_layouts", ctypes.c_void_p), ("run", ctypes.c_void_p),
+                ("destroy", ctypes.c_void_p)]
+
+
+_library: ctypes.CDLL | None = None
+_load_error: str | None = None
+_lock = threading.Lock()
+
+
+def _load() -> ctypes.CDLL:
+    global _library, _load_error
+    with _lock:
+        if _library is None and _load_error is None:
+            spec = importlib.util.find_spec(_MODULE)
+            if spec is None or spec.origin is None:
+                _load_error = ("litekv's decode-attention kernel is not built in this installation (it needs a C "
+                               "compiler at install time): reinstall litekv with gcc or clang available")
+            else:
+                try:
+                    lib = ctypes.CDLL(spec.origin)
+                except OSError as e:
+                    _load_error = f"cannot load {spec.origin}: {e}; reinstall litekv"
+                else:
+                    lib.litekv_attention_kernel.argtypes = [ctypes.POINTER(CustomOpKernel)]
+                    lib.litekv_attention_kernel.restype = None
+                    lib.litekv_attention_release.argtypes = [ctypes.POINTER(AttentionConfig)]
+                    lib.litekv_attention_release.restype = None
+                    lib.litekv_attention_run.restype = ctypes.c_int
+                    _library = lib
+    if _library is None:
+        raise MissingDependency(_load_error)
+    return _library
+
+
+def available() -> bool:
+    """Whether the kernel library is built and loads."""
+    try:
+        _load()
+    except MissingDependency:
+        return False
+    return True
+
+
+class AttentionKernel:
+    """One registration of the kernel for one compiled model: its config, scratch and helper thread.
+
+    `litert` (the loaded LiteRT C API) is needed to register it as a custom op; without it the
+    kernel only runs on host arrays (`run`). `release()` must come after the compiled model is
+    destroyed: it stops the helper thread and frees the scratch the model's runs use.
+    """
+
+    def __init__(self, head_dim: int, num_heads: int, max_slots: int, threads: int, litert: ctypes.CDLL | None = None):
+        lib = _load()
+        self._lib = lib
+        self.kernel = CustomOpKernel()
+        lib.litekv_attention_kernel(ctypes.byref(self.kernel))
+        entry = (lambda name: ctypes.cast(getattr(litert, name), ctypes.c_void_p)) if litert else (lambda name: None)
+        self.config = AttentionConfig(
+            host_memory=entry("LiteRtGetTensorBufferHostMemory"), buffer_size=entry("LiteRtGetTensorBufferSize"),
+            head_dim=head_dim, threads=max(1, min(2, threads)), max_slots=max_slots, num_heads=num_heads)
+
+    def register(self, litert: ctypes.CDLL, options: int) -> int:
+        """LiteRtAddCustomOpKernelOption on `options`; returns the LiteRtStatus."""
+        return litert.LiteRtAddCustomOpKernelOption(options, OP_NAME.encode(), OP_VERSION, ctypes.byref(self.kernel),
+                                                    ctypes.byref(self.config))
+
+    def run(self, query: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray,
+            num_kv_heads: int) -> np.ndarray:
+        """The op on host arrays: query [H*D], keys/values [S, KVH*D], mask [S] float32 -> [H*D]."""
+        arrays = [np.ascontiguousarray(a, np.float32) for a in (query, keys, values, mask)]
+        out = np.empty_like(arrays[0])
+        pointer = ctypes.POINTER(ctypes.c_float)
+        status = self._lib.litekv_attention_run(ctypes.byref(self.config), *(a.ctypes.data_as(pointer) for a in arrays),
+                                                out.ctypes.data_as(pointer), arrays[0].size // self.config.head_dim,
+                                                num_kv_heads, arrays[3].size)
+        if status != 0:
+            raise ValueError(f"decode attention rejected the shapes (status {status})")
+        return out
+
+    def release(self) -> None:
+        self._lib.litekv_attention_release(ctypes.byref(self.config))
+
+    def __del__(self) -> None:
+        if getattr(self, "_lib", None) is not None and self.config.state:
+            self.release()
+
+
+def reference(query: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray, num_kv_heads: int,
+              head_dim: int, threads: int = 1) -> np.ndarray:
+    """The kernel's arithmetic on host arrays, without LiteRT (for tests): see AttentionKernel.run."""
+    kernel = AttentionKernel(head_dim, np.asarray(query).size // head_dim, np.asarray(mask).size, threads)
+    try:
+        return kernel.run(query, keys, values, mask, num_kv_heads)
+    finally:
+        kernel.release()

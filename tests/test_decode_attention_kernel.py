@@ -1,0 +1,155 @@
+"""litekv's decode-attention kernel: its arithmetic, and the LiteRT custom op that runs it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from litekv import native_attention
+
+pytestmark = pytest.mark.skipif(not native_attention.available(),
+                                reason="litekv's decode-attention kernel is not built (no C compiler at install)")
+
+MASKED = np.finfo(np.float32).min
+
+
+def numpy_attention(query, keys, values, mask, kv_heads, head_dim):
+    """float64 attention of one query row: head h reads KV head h // (H / KVH); masked slots dropped."""
+    heads = query.size // head_dim
+    group = heads // kv_heads
+    out = np.zeros(heads * head_dim)
+    live = mask > -1e30
+    for h in range(heads):
+        kv = slice(h // group * head_dim, (h // group + 1) * head_dim)
+        if not live.any():
+            continue
+        scores = keys[live, kv].astype(np.float64) @ query[h * head_dim:(h + 1) * head_dim] + mask[live]
+        p = np.exp(scores - scores.max())
+        out[h * head_dim:(h + 1) * head_dim] = (p / p.sum()) @ values[live, kv]
+    return out
+
+
+def case(heads, kv_heads, head_dim, slots, live, window=None, seed=0):
+    rng = np.random.default_rng(seed)
+    query = rng.standard_normal(heads * head_dim).astype(np.float32)
+    keys, values = (rng.standard_normal((slots, kv_heads * head_dim)).astype(np.float32) for _ in range(2))
+    mask = np.full(slots, MASKED, np.float32)
+    mask[:live] = 0.0
+    if window is not None:
+        mask[:max(0, live - window)] = MASKED
+    return query, keys, values, mask
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, slots, live, window", [
+    (9, 3, 64, 384, 300, None),   # SmolLM2's heads in a 384-slot bucket
+    (4, 1, 256, 128, 128, None),  # Gemma 3 270M's heads, a full bucket
+    (8, 4, 32, 64, 40, 16),       # a sliding window: a masked prefix
+    (9, 3, 64, 512, 1, None),     # the first token
+    (6, 6, 16, 32, 20, None),     # no grouping, a head_dim without a vector path
+    (8, 2, 128, 300, 290, 100),   # head_dim 128, a window inside the second half
+])
+@pytest.mark.parametrize("threads", [1, 2], ids=["one thread", "two halves merged"])
+def test_kernel_matches_numpy(heads, kv_heads, head_dim, slots, live, window, threads):
+    q, k, v, m = case(heads, kv_heads, head_dim, slots, live, window)
+    got = native_attention.reference(q, k, v, m, kv_heads, head_dim, threads)
+    np.testing.assert_allclose(got, numpy_attention(q, k, v, m, kv_heads, head_dim), atol=2e-5, rtol=1e-4)
+
+
+def test_a_fully_masked_row_attends_to_nothing():
+    q, k, v, m = case(4, 2, 16, 32, 0)
+    assert not np.any(native_attention.reference(q, k, v, m, 2, 16))
+
+
+def test_mask_values_are_added_to_the_scores():
+    """A soft bias in the mask (not only 0 / masked) shifts the softmax like in the graph form."""
+    q, k, v, m = case(4, 2, 16, 32, 32)
+    m[:] = np.linspace(-3, 0, 32, dtype=np.float32)
+    got = native_attention.reference(q, k, v, m, 2, 16)
+    np.testing.assert_allclose(got, numpy_attention(q, k, v, m, 2, 16), atol=2e-5, rtol=1e-4)
+
+
+def test_shapes_that_do_not_group_are_refused():
+    q, k, v, m = case(4, 3, 16, 32, 8)  # 4 query heads over 3 KV heads
+    with pytest.raises(ValueError, match="rejected the shapes"):
+        native_attention.reference(q, k[:, :48], v[:, :48], m, 3, 16)
+
+
+@pytest.fixture
+def attention_model(tmp_path):
+    """A TFLite model of two layers' custom op calls, compiled with the kernel registered."""
+    from litekv import litert_capi
+    from litekv.converters.tflite_writer import TFLiteModelWriter
+
+    heads, kv_heads, head_dim, slots = 9, 3, 64, 256
+    writer = TFLiteModelWriter()
+    sg = writer.add_signature("run")
+    query = sg.add_input("query", (1, 1, heads * head_dim))
+    mask = sg.add_input("mask", (1, 1, 1, slots))
+    for layer in range(2):
+        keys = sg.add_input(f"k{layer}", (1, slots, kv_heads * head_dim))
+        values = sg.add_input(f"v{layer}", (1, slots, kv_heads * head_dim))
+        out = sg.tensor(f"out{layer}", (1, 1, heads * head_dim))
+        sg.custom_op(native_attention.OP_NAME, [query, keys, values, mask], [out])
+        sg.add_output(f"out{layer}", out)
+    writer.write(tmp_path / "attention.tflite")
+    kernel = native_attention.AttentionKernel(head_dim, heads, slots, threads=2, litert=litert_capi.library())
+    model = litert_capi.CompiledTFLiteModel(tmp_path / "attention.tflite", num_threads=2, custom_ops=[kernel])
+    yield model, (heads, kv_heads, head_dim, slots)
+    model.close()
+
+
+def test_the_custom_op_runs_in_litert(attention_model):
+    from litekv.litert_capi import HostTensorBuffer, aligned_zeros
+
+    model, (heads, kv_heads, head_dim, slots) = attention_model
+    rng = np.random.default_rng(3)
+    arrays = {"query": aligned_zeros((1, 1, heads * head_dim)), "mask": aligned_zeros((1, 1, 1, slots))}
+    for layer in range(2):
+        for kind in "kv":
+            arrays[f"{kind}{layer}"] = aligned_zeros((1, slots, kv_heads * head_dim))
+    outputs = {f"out{layer}": aligned_zeros((1, 1, heads * head_dim)) for layer in range(2)}
+    buffers = {name: HostTensorBuffer(a) for name, a in {**arrays, **outputs}.items()}
+    run = model.bind("run", {n: buffers[n] for n in arrays}, {n: buffers[n] for n in outputs})
+    for live in (1, 100, slots):  # the same bound buffers, rewritten in place between runs
+        for name, a in arrays.items():
+            a[...] = rng.standard_normal(a.shape)
+        arrays["mask"][...] = MASKED
+        arrays["mask"][..., :live] = 0.0
+        run()
+        for layer in range(2):
+            want = numpy_attention(arrays["query"].ravel(), arrays[f"k{layer}"][0], arrays[f"v{layer}"][0],
+                                   arrays["mask"].ravel(), kv_heads, head_dim)
+            np.testing.assert_allclose(outputs[f"out{layer}"].ravel(), want, atol=2e-5, rtol=1e-4)
+
+
+def test_a_model_that_needs_the_kernel_is_refused_without_it(monkeypatch):
+    """A bundle whose decode runs in the kernel names it in its manifest; without the library the
+    executor says what to do instead of LiteRT failing on an unresolved custom op."""
+    from conformance import bundle
+    from litekv.bundle import BundleError, read_manifest
+    from litekv.executor.litert_executor import LiteRTExecutor
+
+    path = bundle("llama", "litert")
+    manifest = read_manifest(path)
+    assert manifest.decode_attention == "kernel"
+    monkeypatch.setattr(native_attention, "_library", None)
+    monkeypatch.setattr(native_attention, "_load_error", "not built here")
+    with pytest.raises(BundleError, match="not built here. Or reconvert the model with --decode-attention graph"):
+        LiteRTExecutor(path, manifest)
+
+
+def test_manifest_versions(tmp_path):
+    """Version 3 bundles (before the kernel) read as builtin-op attention; unknown versions and kinds
+    are refused with what to do."""
+    import json
+
+    from conformance import bundle
+    from litekv.bundle import BundleError, Manifest
+
+    data = json.loads((bundle("llama", "litert") / "litekv.json").read_text())
+    old = {**data, "version": 3}
+    old.pop("decode_attention")
+    assert Manifest.from_json(json.dumps(old), "old").decode_attention == "graph"
+    with pytest.raises(BundleError, match="version 5 is not supported.*reads versions 3, 4"):
+        Manifest.from_json(json.dumps({**data, "version": 5}), "new")
+    with pytest.raises(BundleError, match="unknown decode_attention 'gpu'; reconvert"):
+        Manifest.from_json(json.dumps({**data, "decode_attention": "gpu"}), "odd")
