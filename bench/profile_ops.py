@@ -77,7 +77,7 @@ def litert_breakdown(bundle: Path, live: int, steps: int, threads: int) -> dict[
     # Ops LiteRT runs itself (not delegated) appear in the per-node-type table only.
     section = text.split("Summary by node type", 1)[1].split("Delegate Statistics", 1)[0]
     for line in section.splitlines():
-        m = re.match(r"\s*([A-Z_0-9]+)\s+(\d+)\s+([\d.]+)\s+[\d.]+%\s+[\d.]+%\s+[\d.]+\s+(\d+)", line)
+        m = re.match(r"\s*([A-Za-z_0-9.]+)\s+(\d+)\s+([\d.]+)\s+[\d.]+%\s+[\d.]+%\s+[\d.]+\s+(\d+)", line)
         if m:
             result[m.group(1)] = (float(m.group(3)) * int(m.group(2)), int(m.group(4)) // steps)
     return result

@@ -11,6 +11,7 @@ the table, a JSON file and a PNG plot (bench/results/step_vs_context.png).
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 import numpy as np
@@ -21,12 +22,18 @@ from litekv.executor import open_executor
 LIVE = (64, 128, 256, 512, 1024, 2048, 3072, 4096)
 
 
-def sweep(backend: str, quantize: str, threads: int, steps: int, kv_cache: str = "fp32") -> dict[int, float]:
-    """Median step milliseconds at each live length."""
+def sweep(backend: str, quantize: str, threads: int, steps: int, kv_cache: str = "fp32",
+          rounds: int = 5) -> dict[int, float]:
+    """Median step milliseconds at each live length. The lengths take turns, `rounds` times, so a
+    slow phase of the machine (it drifts by tens of percent within minutes) hits them all alike."""
     ex = open_executor(smollm2_bundle(backend, quantize, kv_cache=kv_cache), threads=threads)
     cache = ex.create_kv_cache()
     ex.prefill(np.arange(max(LIVE) - 1) % 40000 + 100, cache)
-    return {live: 1e3 * rewound_step_seconds(ex, cache, live - 1, steps) for live in LIVE}
+    samples: dict[int, list[float]] = {live: [] for live in LIVE}
+    for _ in range(rounds):
+        for live in LIVE:
+            samples[live].append(1e3 * rewound_step_seconds(ex, cache, live - 1, max(1, steps // rounds)))
+    return {live: statistics.median(values) for live, values in samples.items()}
 
 
 def plot(results: dict[str, dict[int, float]], path) -> None:
@@ -53,7 +60,7 @@ def plot(results: dict[str, dict[int, float]], path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=25, help="steps per live length, over 5 rounds")
     parser.add_argument("--quantize", default="fp32,int8,int4")
     args = parser.parse_args()
     results = {}

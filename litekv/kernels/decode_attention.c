@@ -14,7 +14,7 @@
  *
  * With two threads the unmasked span of slots is cut in two halves; each thread computes its
  * half's scores, softmax numerators and weighted values, and the halves are merged with their
- * maxima (as in split-K "flash decoding"). The helper thread spins briefly, then sleeps.
+ * maxima (as in split-K "flash decoding"). Between calls the helper thread polls, then sleeps.
  */
 #include <math.h>
 #include <pthread.h>
@@ -25,6 +25,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define MASKED_BELOW (-1e30f)
 #ifndef PREFETCH_ROWS
@@ -33,7 +34,7 @@
 #ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 2 /* into L2, which takes more misses in flight than L1 */
 #endif
-#define SPIN_ROUNDS 4000
+#define IDLE_SECONDS 0.002
 #define MAX_RANK 8
 
 /* Built where it runs, but possibly for a wider family (a wheel): pick AVX-512 or AVX2 at load. */
@@ -280,13 +281,25 @@ static void merge(const Job *job, const Part *parts, int count, float *out) {
 
 /* ---- the helper thread ---------------------------------------------------------------------- */
 
+static double seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Between the attention ops of a step, other ops run for tens of microseconds, and waking a
+ * sleeping thread costs about as much here (a VM's cross-core wake-up). So the helper polls,
+ * yielding the core to any thread that wants it (XNNPACK's workers), and sleeps only once no
+ * work came for IDLE_SECONDS: the application is between steps, not inside one. */
 static void *helper_main(void *arg) {
     State *st = arg;
     int seen = 0;
     for (;;) {
-        for (int spins = 0; atomic_load_explicit(&st->generation, memory_order_acquire) == seen &&
-                            !atomic_load(&st->stop); spins++) {
-            if (spins > SPIN_ROUNDS) { /* idle between steps: sleep instead of holding the core */
+        const double idle_since = seconds();
+        for (int polls = 0; atomic_load_explicit(&st->generation, memory_order_acquire) == seen &&
+                            !atomic_load(&st->stop); polls++) {
+            sched_yield();
+            if (polls % 64 == 63 && seconds() - idle_since > IDLE_SECONDS) {
                 pthread_mutex_lock(&st->lock);
                 while (atomic_load(&st->generation) == seen && !atomic_load(&st->stop))
                     pthread_cond_wait(&st->wake, &st->lock);
