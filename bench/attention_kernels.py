@@ -109,15 +109,21 @@ def keys_as_fc_input(sg, slots: int) -> list[int]:
     return outputs
 
 
-def litekv_kernel(sg, slots: int) -> list[int]:
+def litekv_kernel(sg, slots: int, dtype: str = "float32") -> list[int]:
     """litekv's decode-attention kernel (a custom op): the cache rows as bound, each read once."""
     query, mask, outputs = sg.add_input("query", (1, 1, HEADS * HEAD_DIM)), sg.add_input("mask", (1, 1, 1, slots)), []
+    op = native_attention.OP_NAME if dtype == "float32" else native_attention.OP_NAME_INT8
     for layer in range(LAYERS):
         out = sg.tensor(f"out{layer}", (1, 1, HEADS * HEAD_DIM))
-        sg.custom_op(native_attention.OP_NAME, [query, sg.add_input(f"k{layer}", (1, slots, ROW)),
-                                                sg.add_input(f"v{layer}", (1, slots, ROW)), mask], [out])
+        sg.custom_op(op, [query, sg.add_input(f"k{layer}", (1, slots, ROW), dtype),
+                          sg.add_input(f"v{layer}", (1, slots, ROW), dtype), mask], [out])
         outputs.append(out)
     return outputs
+
+
+def litekv_kernel_int8(sg, slots: int) -> list[int]:
+    """The kernel's int8 form on an int8 cache (--kv-cache int8): a quarter of the bytes."""
+    return litekv_kernel(sg, slots, "int8")
 
 
 def head_major(sg, slots: int) -> list[int]:
@@ -158,6 +164,7 @@ VARIANTS = {
     "one [S, D] buffer per KV head": (per_head_buffers, 1.0, 4),
     "int8 cache, float x int8 batch matmul": (int8_hybrid, 1.0, 1),
     "litekv decode-attention kernel (custom op)": (litekv_kernel, 1.0, 4),
+    "litekv kernel, int8 cache": (litekv_kernel_int8, 1.0, 1),
 }
 
 
@@ -180,7 +187,7 @@ def time_litert(slots: int, graph, threads: int, repeats: int) -> float:
         path = Path(tmp) / "attention.tflite"
         build(path, slots, graph)
         kernels = ([native_attention.AttentionKernel(HEAD_DIM, HEADS, slots, threads, litert=litert_capi.library())]
-                   if graph is litekv_kernel else [])
+                   if graph in (litekv_kernel, litekv_kernel_int8) else [])
         model = CompiledTFLiteModel(path, num_threads=threads, custom_ops=kernels)
         rng = np.random.default_rng(0)
         sig = model.signature("run")

@@ -56,7 +56,7 @@ class System:
 def systems() -> list[System]:
     out = []
     litekv_bundles = (("litert", "LiteRT", "fp32"), ("onnx", "ONNX Runtime", "fp32"),
-                      ("onnx", "ONNX Runtime", "int8"))  # ONNX also stores the cache in int8
+                      ("litert", "LiteRT", "int8"), ("onnx", "ONNX Runtime", "int8"))  # also an int8 KV cache
     for backend, label, kv in litekv_bundles:
         for quantize, cls in (("fp32", "fp32"), ("int8", "8-bit"), ("int4", "4-bit")):
             name = f"litekv {label} {quantize}" + ("" if kv == "fp32" else f" + {kv} KV")

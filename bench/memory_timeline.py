@@ -38,7 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=("litert", "onnx"), default="litert")
     parser.add_argument("--quantize", choices=("fp32", "int8", "int4"), default="fp32")
-    parser.add_argument("--kv-cache", choices=("fp32", "int8"), default="fp32", help="KV cache precision (int8: ONNX)")
+    parser.add_argument("--kv-cache", choices=("fp32", "int8"), default="fp32", help="KV cache precision")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 

@@ -1,5 +1,5 @@
-"""Decode step time against the live context, for both backends and every precision (ONNX also
-with an int8 KV cache).
+"""Decode step time against the live context, for both backends and every precision, with a
+float32 and an int8 KV cache.
 
 Each executor is opened on a bundle with max context 4096 and prefilled once; the cache is then
 rewound (the rows below stay valid) so that the measured step's token is the L-th: it writes row
@@ -43,7 +43,8 @@ def plot(results: dict[str, dict[int, float]], path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, times in results.items():
-        style = "-" if label.startswith("litert") else (":" if label.endswith("kvint8") else "--")
+        style = ("-" if label.startswith("litert") else "--") if not label.endswith("kvint8") else \
+            ("-." if label.startswith("litert") else ":")
         ax.plot(list(times), list(times.values()), style, marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(LIVE, [str(n) for n in LIVE])
@@ -64,8 +65,8 @@ def main() -> None:
     parser.add_argument("--quantize", default="fp32,int8,int4")
     args = parser.parse_args()
     results = {}
-    # ONNX also with an int8 KV cache (--kv-cache int8): a quarter of the KV bytes per step.
-    for backend, kv_cache in (("litert", "fp32"), ("onnx", "fp32"), ("onnx", "int8")):
+    # Also with an int8 KV cache (--kv-cache int8): a quarter of the KV bytes per step.
+    for backend, kv_cache in (("litert", "fp32"), ("onnx", "fp32"), ("litert", "int8"), ("onnx", "int8")):
         for quantize in args.quantize.split(","):
             label = f"{backend}-{quantize}" + ("" if kv_cache == "fp32" else f"-kv{kv_cache}")
             print(f"{label} ...", file=sys.stderr, flush=True)

@@ -45,7 +45,7 @@ class ConvertOptions:
     lm_head: str | None = None
     embedding: str | None = None
     sampler: bool = True
-    kv_cache: str = "fp32"  # "int8": ONNX only, static per-channel scales calibrated at conversion
+    kv_cache: str = "fp32"  # "int8": static per-channel scales calibrated at conversion
     # LiteRT one-token attention: "kernel" (litekv's custom op; the runtime needs litekv's compiled kernel)
     # or "graph" (builtin ops only, for any LiteRT runtime). None: "kernel" for LiteRT.
     decode_attention: str | None = None
@@ -80,9 +80,6 @@ class ConvertOptions:
                                   f"got {b}.")
         if self.kv_cache not in KV_CACHE_FORMATS:
             raise ConfigError(f"unknown KV cache format {self.kv_cache!r}; choose one of {', '.join(KV_CACHE_FORMATS)}.")
-        if self.kv_cache == "int8" and self.backend != "onnx":
-            raise ConfigError("an int8 KV cache needs --backend onnx (onnxruntime's GroupQueryAttention stores it); "
-                              "use --kv-cache fp32 with LiteRT.")
         if self.decode_attention is not None:
             if self.decode_attention not in DECODE_ATTENTION:
                 raise ConfigError(f"unknown decode attention {self.decode_attention!r}; choose one of "
@@ -225,6 +222,12 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions = Co
 
 def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Manifest:
     cfg, plan = ckpt.config, options.plan
+    kv_scales = None
+    if options.kv_cache == "int8":
+        from .kv_calibration import int8_kv_scales
+
+        kv_scales = int8_kv_scales(cfg, ckpt.weights, ckpt.tokenizer)
+        bar.stage("calibrating int8 KV")(1, 1, "")
     if options.backend == "litert":
         from .emit_tflite import LORA_LAYOUT as TFLITE_LORA_LAYOUT
         from .emit_tflite import emit_tflite
@@ -233,7 +236,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         tick = bar.stage("tracing signatures")
         writer, groups = emit_tflite(cfg, ckpt.weights, plan, sigs, options.lora, options.max_context,
                              progress=lambda name, n=iter(range(1, len(sigs) + 1)): tick(next(n), len(sigs), name),
-                             decode_attention=options.attention_kind)
+                             decode_attention=options.attention_kind, kv_scales=kv_scales)
         writer.write(staging / "model.tflite")
         bar.stage("writing model.tflite")(1, 1, f"{writer.data_bytes / 1e6:.0f} MB of weights")
         infos = tuple(SignatureInfo(s.name, "sampler" if s.sampler else ("decode" if s.tokens == 1 and s.logits
@@ -249,12 +252,6 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
 
         # The plain graph always; a LoRA-ready bundle adds a LoRA graph over the same weight file, so
         # running without an adapter costs exactly what a model converted without LoRA costs.
-        kv_scales = None
-        if options.kv_cache == "int8":
-            from .kv_calibration import int8_kv_scales
-
-            kv_scales = int8_kv_scales(cfg, ckpt.weights, ckpt.tokenizer)
-            bar.stage("calibrating int8 KV")(1, 1, "")
         model, _ = emit_onnx(cfg, ckpt.weights, plan, None, options.max_context, kv_scales=kv_scales)
         bar.stage("tracing graph")(1, 1, f"{len(model.graph.node)} nodes")
         onnx.save_model(model, str(staging / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
@@ -313,7 +310,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-rank", type=int, help="add LoRA inputs of this rank on q, k, v and o")
     parser.add_argument("--no-sampler", action="store_true", help="omit the in-graph sampling entry points")
     parser.add_argument("--kv-cache", choices=KV_CACHE_FORMATS, default="fp32",
-                        help="KV cache precision; int8 (ONNX only) reads a quarter of the bytes per step")
+                        help="KV cache precision; int8 reads a quarter of the bytes per step")
     parser.add_argument("--decode-attention", choices=DECODE_ATTENTION,
                         help="LiteRT one-token attention: kernel (default; litekv's compiled custom op, which "
                         "reads the cache once) or graph (builtin ops only, for a runtime without litekv)")

@@ -9,6 +9,9 @@ under the same names (written by DYNAMIC_UPDATE_SLICE, so one buffer can be boun
 `logits` [1,1,V] (decode). One more entry point, `sampler`, takes a decode's `logits` and the
 sampler inputs and returns `next_token` int32 [1]. By default a decode's attention is the custom op
 `litekv.decode_attention` (litekv.native_attention); decode_attention="graph" keeps builtin ops only.
+With `kv_scales` (converters.kv_calibration) the cache tensors are int8 codes of K/V / scale, one
+static scale per (layer, KV head, channel): new rows are quantized in the graph, the kernel's int8
+form reads the codes, and every other attention dequantizes the cache it reads.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from litekv.bundle import SAMPLER_INPUTS
 from litekv.models.base import architecture
 from litekv.models.config import ModelConfig, RopeConfig
 from litekv.native_attention import OP_NAME as DECODE_ATTENTION_OP
+from litekv.native_attention import OP_NAME_INT8 as DECODE_ATTENTION_INT8_OP
 
 from .graph_ops import GraphOps, LoraSpec, Signature, Sym, rope_tables
 from .quantize import QuantPlan, int8_per_channel
@@ -83,10 +87,12 @@ def rotate_half_matrix(dim: int) -> np.ndarray:
 
 class TFLiteOps(GraphOps):
     def __init__(self, cfg: ModelConfig, store: TFLiteWeights, sg: SubgraphBuilder, sig: Signature,
-                 lora: LoraSpec | None, tables, decode_attention: str = "kernel"):
+                 lora: LoraSpec | None, tables, decode_attention: str = "kernel",
+                 kv_scales: tuple[np.ndarray, np.ndarray] | None = None):
         super().__init__(cfg, store.weights, store.plan, sig, lora, tables, store.quant_cache)
         self.store = store
         self.decode_attention = decode_attention  # "kernel": litekv's custom op; "graph": builtin ops
+        self.kv_scales = kv_scales  # (keys, values) [layers, KVH, D]: an int8 cache; None: float32
         self.sg = sg
         self._count = 0
         self.kv_outputs: dict[str, Sym] = {}
@@ -104,6 +110,11 @@ class TFLiteOps(GraphOps):
         refs = [i.ref if isinstance(i, Sym) else i for i in inputs]
         self.sg.op(name, refs, [out.ref], **options)
         return out
+
+    def _shared(self, name: str, value: np.ndarray) -> Sym:
+        """A float constant stored once in the file and used by every signature that names it."""
+        const = self.store.dense(name, value)
+        return Sym(self.sg.use(const), const.shape, const.dtype)
 
     def _ints(self, values: Sequence[int]) -> Sym:
         arr = np.asarray(values, np.int32)
@@ -239,11 +250,12 @@ class TFLiteOps(GraphOps):
         self.mask = self.input("mask", (1, 1, t, s))
         self.local_mask = self.input("local_mask", (1, 1, t, s)) if "sliding" in cfg.layer_types else None
         kv_shape = (1, s, cfg.num_kv_heads * cfg.head_dim)
+        kv_dtype = "float32" if self.kv_scales is None else "int8"
         self.kv_inputs = {}
         for i in range(cfg.num_layers):
             for kind in ("k", "v"):
                 name = f"kv_cache_{kind}_{i}"
-                self.kv_inputs[name] = self.input(name, kv_shape)
+                self.kv_inputs[name] = self.input(name, kv_shape, kv_dtype)
         first_pos = self._op("SLICE", [self.positions, self._ints([0]), self._ints([1])], (1,), "int32")
         self.kv_start = self._op("CONCATENATION", [self._ints([0]), first_pos, self._ints([0])], (3,),
                                  "int32", axis=0)
@@ -255,13 +267,18 @@ class TFLiteOps(GraphOps):
         for kind, new in (("k", k), ("v", v)):
             name = f"kv_cache_{kind}_{layer}"
             new = self.reshape(new, (1, t, kvh * d))
-            updated = self._op("DYNAMIC_UPDATE_SLICE", [self.kv_inputs[name], new, self.kv_start],
-                               self.kv_inputs[name].shape)
+            if self.kv_scales is not None:
+                new = self._kv_codes(new, kind, layer)
+            cache = self.kv_inputs[name]
+            updated = self._op("DYNAMIC_UPDATE_SLICE", [cache, new, self.kv_start], cache.shape, cache.dtype)
             self.kv_outputs[name] = updated
             caches.append(updated)
         mask = self.local_mask if window is not None else self.mask
         if t == 1 and self.decode_attention == "kernel":
-            return self._kernel_attention(q, caches, mask, scale)
+            return self._kernel_attention(q, caches, mask, scale, layer)
+        if self.kv_scales is not None:  # builtin attention reads floats: a pass over the cache
+            caches = [self.binary("mul", self.to_float(c), self._kv_scale(kind, layer))
+                      for kind, c in zip(("k", "v"), caches)]
         if t == 1 and kvh <= SPREAD_MAX_KV_HEADS:
             return self._decode_attention(q, caches, mask, scale)
         # XNNPACK runs a reshape of a bound tensor as a copy: a pass over the cache, which a
@@ -279,14 +296,41 @@ class TFLiteOps(GraphOps):
         out = self.transpose(self.reshape(out, (kvh, g, t, d)), (2, 0, 1, 3))  # [T, KVH, G, D]
         return self.reshape(out, (1, t, cfg.num_heads * d))
 
-    def _kernel_attention(self, q: Sym, caches: list[Sym], mask: Sym, scale: float) -> Sym:
+    def _kv_scale(self, kind: str, layer: int, per_query_head: bool = False) -> Sym:
+        """The static scales of one layer's K or V as a row: [KVH*D], or [H*D] repeated per query head."""
+        scales = self.kv_scales[0 if kind == "k" else 1][layer]  # [KVH, D]
+        if per_query_head:
+            scales = np.repeat(scales, self.cfg.group_size, axis=0)  # query head h reads KV head h // G
+        return self._shared(f"kv_scale.{kind}.{layer}.{'q' if per_query_head else 'kv'}", scales.reshape(-1))
+
+    def _kv_codes(self, x: Sym, kind: str, layer: int) -> Sym:
+        """int8 codes round(x / scale), clipped to +-127 (a symmetric range, as the calibration assumes)."""
+        inverse = 1.0 / self.kv_scales[0 if kind == "k" else 1][layer].reshape(-1)
+        codes = self._op("ROUND", [self.binary("mul", x, self._shared(f"kv_inverse_scale.{kind}.{layer}", inverse))],
+                         x.shape)
+        codes = self._op("MINIMUM", [codes, self.const(np.float32(127))], x.shape)
+        codes = self._op("MAXIMUM", [codes, self.const(np.float32(-127))], x.shape)
+        return self._op("CAST", [codes], x.shape, "int8")
+
+    def _kernel_attention(self, q: Sym, caches: list[Sym], mask: Sym, scale: float, layer: int) -> Sym:
         """One query token in litekv's decode-attention kernel (litekv.native_attention), a custom
-        op that reads each cached row once, where XNNPACK's batch matmuls repack the cache."""
+        op that reads each cached row once, where XNNPACK's batch matmuls repack the cache.
+
+        With an int8 cache the kernel reads the codes: q . (code_k * s_k) = (q * s_k) . code_k, and
+        sum p * code_v * s_v = s_v * sum p * code_v, so the query and the output carry the scales."""
         width = self.cfg.num_heads * self.cfg.head_dim
-        q = self.reshape(self.binary("mul", q, self.const(np.float32(scale))), (1, 1, width))
+        q = self.reshape(q, (1, 1, width))
+        if self.kv_scales is None:
+            q, op = self.binary("mul", q, self.const(np.float32(scale))), DECODE_ATTENTION_OP
+        else:
+            q, op = self.binary("mul", q, self._scaled_key_scales(layer, scale)), DECODE_ATTENTION_INT8_OP
         out = self._new((1, 1, width))
-        self.sg.custom_op(DECODE_ATTENTION_OP, [q.ref, caches[0].ref, caches[1].ref, mask.ref], [out.ref])
-        return out
+        self.sg.custom_op(op, [q.ref, caches[0].ref, caches[1].ref, mask.ref], [out.ref])
+        return out if self.kv_scales is None else self.binary("mul", out, self._kv_scale("v", layer, True))
+
+    def _scaled_key_scales(self, layer: int, scale: float) -> Sym:
+        scales = np.repeat(self.kv_scales[0][layer], self.cfg.group_size, axis=0).reshape(-1) * np.float32(scale)
+        return self._shared(f"kv_scale.k.{layer}.query", scales.astype(np.float32))
 
     def _decode_attention(self, q: Sym, caches: list[Sym], mask: Sym, scale: float) -> Sym:
         """One query token against the cache as it lies in memory, [S, KVH*D], never transposed or copied.
@@ -329,10 +373,12 @@ class TFLiteOps(GraphOps):
 
 def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan,
                 signatures: Sequence[Signature], lora: LoraSpec | None, max_context: int,
-                progress: Callable[[str], None] | None = None, decode_attention: str = "kernel") -> TFLiteModelWriter:
+                progress: Callable[[str], None] | None = None, decode_attention: str = "kernel",
+                kv_scales: tuple[np.ndarray, np.ndarray] | None = None) -> TFLiteModelWriter:
     """Trace every signature of the architecture into one TFLite model (not yet written).
 
-    decode_attention: "kernel" runs one-token attention in litekv's custom op, "graph" in builtin ops."""
+    decode_attention: "kernel" runs one-token attention in litekv's custom op, "graph" in builtin ops.
+    kv_scales: (keys, values) [layers, KVH, D] static scales of an int8 KV cache; None: float32."""
     weights = dict(weights)
     weights.setdefault("lm_head.weight", weights["embed.weight"])
     writer = TFLiteModelWriter(description=f"litekv {cfg.architecture}")
@@ -341,7 +387,7 @@ def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: Quant
     forward = architecture(cfg.architecture).forward
     groups = {}
     for sig in signatures:
-        ops = TFLiteOps(cfg, store, writer.add_signature(sig.name), sig, lora, tables, decode_attention)
+        ops = TFLiteOps(cfg, store, writer.add_signature(sig.name), sig, lora, tables, decode_attention, kv_scales)
         if sig.sampler:
             ops.sampler()
         else:

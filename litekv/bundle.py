@@ -19,8 +19,9 @@ MANIFEST = "litekv.json"
 FORMAT = "litekv-bundle"
 # 2: TFLite KV cache tensors are [1,S,KVH*D]; 3: one TFLite sampler entry point fed with logits;
 # 4: `decode_attention` (TFLite one-token attention may be litekv's custom op). Version 3 reads as "graph".
-VERSION = 4
-READABLE_VERSIONS = (3, 4)
+# 5: a TFLite bundle may hold an int8 KV cache (`kv_dtype`), read by the kernel's int8 form.
+VERSION = 5
+READABLE_VERSIONS = (3, 4, 5)
 DECODE_ATTENTION = ("kernel", "graph")
 SAMPLER_SIGNATURE = "sampler"
 # The sampler graph's scalar inputs, each of shape [1], in order: (name, dtype).

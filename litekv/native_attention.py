@@ -4,6 +4,7 @@ The kernel is compiled when litekv is installed (a C compiler is needed) into th
 `litekv._decode_attention`, loaded here with ctypes. Bundles whose decode entry points use it say
 so in their manifest (`decode_attention: "kernel"`); without the library they cannot run, and
 `--decode-attention graph` converts a bundle that needs nothing beyond LiteRT's builtin ops.
+Bundles with an int8 KV cache use the kernel's int8 form, OP_NAME_INT8.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import numpy as np
 from litekv.errors import MissingDependency
 
 OP_NAME = "litekv.decode_attention"
+OP_NAME_INT8 = "litekv.decode_attention_int8"  # int8 keys and values: the codes of a statically scaled cache
 OP_VERSION = 1
 _MODULE = "litekv._decode_attention"
 
@@ -54,11 +56,13 @@ def _load() -> ctypes.CDLL:
                 except OSError as e:
                     _load_error = f"cannot load {spec.origin}: {e}; reinstall litekv"
                 else:
-                    lib.litekv_attention_kernel.argtypes = [ctypes.POINTER(CustomOpKernel)]
+                    lib.litekv_attention_kernel.argtypes = [ctypes.POINTER(CustomOpKernel), ctypes.c_int]
                     lib.litekv_attention_kernel.restype = None
                     lib.litekv_attention_release.argtypes = [ctypes.POINTER(AttentionConfig)]
                     lib.litekv_attention_release.restype = None
                     lib.litekv_attention_run.restype = ctypes.c_int
+                    lib.litekv_attention_run.argtypes = [ctypes.POINTER(AttentionConfig), *[ctypes.c_void_p] * 5,
+                                                         *[ctypes.c_int] * 4]
                     _library = lib
     if _library is None:
         raise MissingDependency(_load_error)
@@ -85,27 +89,38 @@ class AttentionKernel:
     def __init__(self, head_dim: int, num_heads: int, max_slots: int, threads: int, litert: ctypes.CDLL | None = None):
         lib = _load()
         self._lib = lib
-        self.kernel = CustomOpKernel()
-        lib.litekv_attention_kernel(ctypes.byref(self.kernel))
+        # One config (scratch, helper thread) serves both forms: a model uses one of them.
+        self.kernels = {OP_NAME: CustomOpKernel(), OP_NAME_INT8: CustomOpKernel()}
+        for name, kernel in self.kernels.items():
+            lib.litekv_attention_kernel(ctypes.byref(kernel), int(name == OP_NAME_INT8))
         entry = (lambda name: ctypes.cast(getattr(litert, name), ctypes.c_void_p)) if litert else (lambda name: None)
         self.config = AttentionConfig(
             host_memory=entry("LiteRtGetTensorBufferHostMemory"), buffer_size=entry("LiteRtGetTensorBufferSize"),
             head_dim=head_dim, threads=max(1, min(2, threads)), max_slots=max_slots, num_heads=num_heads)
 
     def register(self, litert: ctypes.CDLL, options: int) -> int:
-        """LiteRtAddCustomOpKernelOption on `options`; returns the LiteRtStatus."""
-        return litert.LiteRtAddCustomOpKernelOption(options, OP_NAME.encode(), OP_VERSION, ctypes.byref(self.kernel),
-                                                    ctypes.byref(self.config))
+        """LiteRtAddCustomOpKernelOption on `options` for both forms; returns the first failing LiteRtStatus, or 0."""
+        for name, kernel in self.kernels.items():
+            status = litert.LiteRtAddCustomOpKernelOption(options, name.encode(), OP_VERSION, ctypes.byref(kernel),
+                                                          ctypes.byref(self.config))
+            if status != 0:
+                return status
+        return 0
 
     def run(self, query: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray,
             num_kv_heads: int) -> np.ndarray:
-        """The op on host arrays: query [H*D], keys/values [S, KVH*D], mask [S] float32 -> [H*D]."""
-        arrays = [np.ascontiguousarray(a, np.float32) for a in (query, keys, values, mask)]
-        out = np.empty_like(arrays[0])
-        pointer = ctypes.POINTER(ctypes.c_float)
-        status = self._lib.litekv_attention_run(ctypes.byref(self.config), *(a.ctypes.data_as(pointer) for a in arrays),
-                                                out.ctypes.data_as(pointer), arrays[0].size // self.config.head_dim,
-                                                num_kv_heads, arrays[3].size)
+        """The op on host arrays: query [H*D], keys/values [S, KVH*D] (float32, or int8 codes for the
+        int8 form), mask [S] float32 -> [H*D]."""
+        int8 = np.asarray(keys).dtype == np.int8
+        if int8 != (np.asarray(values).dtype == np.int8):
+            raise ValueError("keys and values must both be int8 codes or both float32")
+        kv_dtype = np.int8 if int8 else np.float32
+        query, mask = (np.ascontiguousarray(a, np.float32) for a in (query, mask))
+        keys, values = (np.ascontiguousarray(a, kv_dtype) for a in (keys, values))
+        out = np.empty_like(query)
+        status = self._lib.litekv_attention_run(ctypes.byref(self.config), *(a.ctypes.data for a in (query, keys, values,
+                                                                                                      mask, out)),
+                                                query.size // self.config.head_dim, num_kv_heads, mask.size, int(int8))
         if status != 0:
             raise ValueError(f"decode attention rejected the shapes (status {status})")
         return out

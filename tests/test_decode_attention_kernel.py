@@ -54,6 +54,31 @@ def test_kernel_matches_numpy(heads, kv_heads, head_dim, slots, live, window, th
     np.testing.assert_allclose(got, numpy_attention(q, k, v, m, kv_heads, head_dim), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("heads, kv_heads, head_dim, slots, live, window", [
+    (9, 3, 64, 384, 300, None),
+    (4, 1, 256, 128, 100, None),
+    (8, 2, 128, 300, 290, 100),
+    (6, 6, 16, 32, 20, None),
+])
+@pytest.mark.parametrize("threads", [1, 2], ids=["one thread", "two halves merged"])
+def test_int8_form_matches_numpy_on_the_codes(heads, kv_heads, head_dim, slots, live, window, threads):
+    """The int8 form attends over the codes as they are (the graph folds the scales into the query
+    and the output): the same result as float attention over the codes converted to float."""
+    q, _, _, m = case(heads, kv_heads, head_dim, slots, live, window)
+    rng = np.random.default_rng(1)
+    k, v = (rng.integers(-127, 128, (slots, kv_heads * head_dim), dtype=np.int8) for _ in range(2))
+    q = q / 64  # scores of the size a scaled query gives
+    got = native_attention.reference(q, k, v, m, kv_heads, head_dim, threads)
+    expected = numpy_attention(q, k.astype(np.float64), v.astype(np.float64), m, kv_heads, head_dim)
+    np.testing.assert_allclose(got, expected, atol=2e-3, rtol=1e-4)
+
+
+def test_keys_and_values_must_share_a_dtype():
+    q, k, v, m = case(4, 2, 16, 32, 10)
+    with pytest.raises(ValueError, match="both"):
+        native_attention.reference(q, k.astype(np.int8), v, m, 2, 16)
+
+
 def test_a_fully_masked_row_attends_to_nothing():
     q, k, v, m = case(4, 2, 16, 32, 0)
     assert not np.any(native_attention.reference(q, k, v, m, 2, 16))
@@ -149,7 +174,7 @@ def test_manifest_versions(tmp_path):
     old = {**data, "version": 3}
     old.pop("decode_attention")
     assert Manifest.from_json(json.dumps(old), "old").decode_attention == "graph"
-    with pytest.raises(BundleError, match="version 5 is not supported.*reads versions 3, 4"):
-        Manifest.from_json(json.dumps({**data, "version": 5}), "new")
+    with pytest.raises(BundleError, match="version 6 is not supported.*reads versions 3, 4, 5"):
+        Manifest.from_json(json.dumps({**data, "version": 6}), "new")
     with pytest.raises(BundleError, match="unknown decode_attention 'gpu'; reconvert"):
         Manifest.from_json(json.dumps({**data, "decode_attention": "gpu"}), "odd")

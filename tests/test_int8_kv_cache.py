@@ -1,4 +1,5 @@
-"""ONNX bundles with an int8 KV cache (GroupQueryAttention codes x static per-channel scales)."""
+"""Bundles with an int8 KV cache: codes x static per-channel scales, in ONNX Runtime's
+GroupQueryAttention and in LiteRT (the graph quantizes new rows, litekv's kernel reads the codes)."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -6,35 +7,54 @@ from functools import lru_cache
 import numpy as np
 import onnx
 import pytest
+from ai_edge_litert import schema_py_generated as schema
 
 from conformance import _ROOT, PREFILL_LENGTHS, checkpoint_dir, executor, reference, relative_error
 from litekv.converters.convert import ConvertOptions, convert
 from litekv.errors import ConfigError
 from litekv.executor import open_executor
 from litekv.kv_cache import KVCacheError
+from litekv.native_attention import available as kernel_available
 from model_factory import ARCHITECTURES
 
 MAX_CONTEXT = 64
+KV_BUCKETS = (16, 32, 64)
+# LiteRT with litekv's kernel (its int8 form) and with builtin ops only (the graph dequantizes).
+BACKENDS = ["onnx", pytest.param("litert", marks=pytest.mark.skipif(not kernel_available(), reason="no kernel")),
+            "litert-graph"]
 
 
 @lru_cache(maxsize=None)
-def int8_kv_bundle(arch: str):
-    options = ConvertOptions(backend="onnx", max_context=MAX_CONTEXT, prefill_lengths=PREFILL_LENGTHS, kv_cache="int8")
-    return convert(checkpoint_dir(arch), _ROOT / f"{arch}-onnx-kv8", options)
+def int8_kv_bundle(arch: str, backend: str = "onnx"):
+    litert = dict(kv_buckets=KV_BUCKETS, decode_attention="graph" if backend == "litert-graph" else "kernel")
+    options = ConvertOptions(backend=backend.split("-")[0], max_context=MAX_CONTEXT, prefill_lengths=PREFILL_LENGTHS,
+                             kv_cache="int8", **(litert if backend != "onnx" else {}))
+    return convert(checkpoint_dir(arch), _ROOT / f"{arch}-{backend}-kv8", options)
 
 
 def scales(bundle, kind: str, layer: int) -> np.ndarray:
     """The graph's scale for one layer, as [KVH, D] (the dequantized value is code * scale)."""
+    if (bundle / "model.tflite").exists():  # a constant [KVH*D] every entry point shares
+        kv_heads = open_executor(bundle).config.num_kv_heads
+        model = schema.Model.GetRootAs((bundle / "model.tflite").read_bytes(), 0)
+        for g in range(model.SubgraphsLength()):
+            graph = model.Subgraphs(g)
+            for i in range(graph.TensorsLength()):
+                tensor = graph.Tensors(i)
+                if tensor.Name().decode() == f"kv_scale.{kind}.{layer}.kv":
+                    return model.Buffers(tensor.Buffer()).DataAsNumpy().view(np.float32).reshape(kv_heads, -1)
+        raise AssertionError(f"no scale tensor for {kind} {layer}")
     model = onnx.load(str(bundle / "model.onnx"), load_external_data=False)
     init = next(t for t in model.graph.initializer if t.name == f"kv_scale_{kind}_{layer}")
     return onnx.numpy_helper.to_array(init)[0, :, 0, :]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_int8_cache_holds_the_reference_keys_and_values(arch):
+def test_int8_cache_holds_the_reference_keys_and_values(arch, backend):
     """Layer 0's K/V depend on nothing quantized: within half a step of the reference (or clipped
     at the calibrated range). Later layers also carry the earlier layers' rounding."""
-    bundle = int8_kv_bundle(arch)
+    bundle = int8_kv_bundle(arch, backend)
     ex, ref = open_executor(bundle), reference(arch)
     prompt = np.random.default_rng(3).integers(3, ex.config.vocab_size, 13)
     ours, theirs = ex.create_kv_cache(), ref.create_kv_cache()
@@ -55,9 +75,10 @@ def test_int8_cache_holds_the_reference_keys_and_values(arch):
             assert np.mean(clipped > 0) < 0.02, (kind, layer)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_int8_cache_logits_stay_close_to_the_reference(arch):
-    ex, ref = open_executor(int8_kv_bundle(arch)), reference(arch)
+def test_int8_cache_logits_stay_close_to_the_reference(arch, backend):
+    ex, ref = open_executor(int8_kv_bundle(arch, backend)), reference(arch)
     prompt = np.random.default_rng(5).integers(3, ex.config.vocab_size, 9)
     ours, theirs = ex.create_kv_cache(), ref.create_kv_cache()
     ex.prefill(prompt[:-1], ours)
@@ -69,8 +90,9 @@ def test_int8_cache_logits_stay_close_to_the_reference(arch):
         token = int(np.argmax(exact))
 
 
-def test_int8_cache_round_trips_through_serialization():
-    ex = open_executor(int8_kv_bundle("llama"))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int8_cache_round_trips_through_serialization(backend):
+    ex = open_executor(int8_kv_bundle("llama", backend))
     prompt = list(np.random.default_rng(9).integers(3, ex.config.vocab_size, 10))
     straight = ex.create_kv_cache()
     ex.prefill(prompt, straight)
@@ -81,15 +103,27 @@ def test_int8_cache_round_trips_through_serialization():
     restored.load(saved.serialize())
     assert restored.dtype == np.int8
     np.testing.assert_array_equal(ex.sample_tokens(6, [5], restored), expected)
-    float_cache = executor("llama", "onnx").create_kv_cache()
+    float_cache = executor("llama", backend.split("-")[0]).create_kv_cache()
     before = float_cache.raw_keys(0).copy()
     with pytest.raises(KVCacheError, match="int8"):
         float_cache.load(saved.serialize())
     np.testing.assert_array_equal(float_cache.raw_keys(0), before)
 
 
-def test_int8_cache_is_refused_for_litert():
-    with pytest.raises(ConfigError, match="--backend onnx"):
-        ConvertOptions(backend="litert", kv_cache="int8")
+@pytest.mark.skipif(not kernel_available(), reason="no kernel")
+def test_litert_steps_read_int8_codes_in_the_kernel():
+    """The decode entry points call the kernel's int8 form on int8 cache tensors; prefill and the
+    graph-attention bundle dequantize with builtin ops instead."""
+    for backend, op in (("litert", "litekv.decode_attention_int8"), ("litert-graph", None)):
+        model = schema.Model.GetRootAs((int8_kv_bundle("llama", backend) / "model.tflite").read_bytes(), 0)
+        customs = {model.OperatorCodes(i).CustomCode().decode() for i in range(model.OperatorCodesLength())
+                   if model.OperatorCodes(i).CustomCode()}
+        assert customs == ({op} if op else set())
+        graph = model.Subgraphs(0)
+        kv = [graph.Tensors(i) for i in range(graph.TensorsLength()) if graph.Tensors(i).Name() == b"kv_cache_k_0"]
+        assert kv and all(t.Type() == schema.TensorType.INT8 for t in kv)
+
+
+def test_unknown_kv_cache_format_is_refused():
     with pytest.raises(ConfigError, match="KV cache format"):
         ConvertOptions(backend="onnx", kv_cache="fp16")

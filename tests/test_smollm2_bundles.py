@@ -135,12 +135,13 @@ def test_quantized_agreement_and_coherent_answer(backend, quantize, target, reco
         assert expected in answer
 
 
-@pytest.mark.parametrize("quantize, target", [("fp32", 0.95), ("int4", 0.90)])
-def test_int8_kv_cache_agreement(quantize, target):
-    ex = open_executor(bundle("onnx", quantize, "int8"))
+@pytest.mark.parametrize("backend, quantize, target", [("onnx", "fp32", 0.95), ("onnx", "int4", 0.90),
+                                                       ("litert", "fp32", 0.95)])
+def test_int8_kv_cache_agreement(backend, quantize, target):
+    ex = open_executor(bundle(backend, quantize, "int8"))
     assert ex.create_kv_cache().dtype == np.int8
     steps, after_prefill = top1_agreement(ex), prefill_top1_agreement(ex)
-    print(f"onnx {quantize} with int8 KV: top-1 agreement {steps:.1%} stepping, {after_prefill:.1%} after prefill")
+    print(f"{backend} {quantize} with int8 KV: top-1 agreement {steps:.1%} stepping, {after_prefill:.1%} after prefill")
     assert steps >= target and after_prefill >= target
 
 

@@ -132,11 +132,11 @@ class _KVMemoryPool:
     def _recycle(self, keys, values, bindings) -> None:
         if keys:  # a released cache gave its lists up already
             with self._lock:
-                self._free.setdefault(keys[0].shape, []).append((keys, values, bindings))
+                self._free.setdefault((keys[0].shape, keys[0].dtype), []).append((keys, values, bindings))
 
-    def take(self, shape: tuple) -> tuple | None:
+    def take(self, shape: tuple, dtype: np.dtype) -> tuple | None:
         with self._lock:
-            free = self._free.get(shape)
+            free = self._free.get((shape, dtype))
             return free.pop() if free else None
 
 
@@ -210,12 +210,13 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
 
     def create_kv_cache(self, batch_size: int = 1) -> KVCache:
         cfg = self.config
-        recycled = self._pool.take((batch_size, self.max_context, cfg.num_kv_heads, cfg.head_dim))
+        dtype = np.dtype(self.manifest.kv_dtype)
+        recycled = self._pool.take((batch_size, self.max_context, cfg.num_kv_heads, cfg.head_dim), dtype)
         if recycled is not None:
             cache = KVCache.from_buffers(*recycled[:2], "BSHD", recycled[2])
         else:
             cache = KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, self.max_context,
-                                     "BSHD")
+                                     "BSHD", self.manifest.kv_dtype)
         self._pool.adopt(cache)
         return cache
 

@@ -9,6 +9,9 @@
  *          values f32 [1, S, KVH*D]
  *          mask   f32 [.., S]       (0 = attend; <= -1e30 = masked; added to the scores)
  * Output:  f32 [1, 1, H*D], head h attending with KV head h / (H / KVH).
+ * "litekv.decode_attention_int8" takes int8 keys and values instead: the codes of a cache with one
+ * static scale per channel, which the graph folds into the query (keys) and the output (values),
+ * so the kernel reads a quarter of the bytes and needs no scales.
  * S and H come from the buffer sizes, D from the registration (AttentionConfig), which also
  * carries the two LiteRT entry points the kernel calls, so this library does not link LiteRT.
  *
@@ -71,8 +74,10 @@ typedef struct {
 } AttentionConfig;
 
 typedef struct {
-    const float *query, *keys, *values, *mask;
-    int heads, kv_heads, head_dim, row; /* row = KVH * D floats per cached slot */
+    const float *query, *mask;
+    const void *keys, *values;          /* float, or int8_t when `int8` */
+    int int8;
+    int heads, kv_heads, head_dim, row; /* row = KVH * D elements per cached slot */
     float *scores;                      /* [heads][stride]: column i is slot lo + i */
     int stride;
 } Job;
@@ -104,6 +109,32 @@ INLINE v16 load16(const float *p) {
     v16 v;
     memcpy(&v, p, sizeof v);
     return v;
+}
+
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+INLINE v16 max16(v16 a, v16 b) {
+    const i32x16 greater = a > b;
+    return (v16)((greater & (i32x16)a) | (~greater & (i32x16)b));
+}
+
+/* The largest of x[0..n-1] (n >= 1), 16 lanes at a time. */
+INLINE float max_of(const float *x, int n) {
+    float best = x[0];
+    int i = 0;
+    if (n >= 16) {
+        v16 m = load16(x);
+        for (i = 16; i + 16 <= n; i += 16) m = max16(m, load16(x + i));
+        for (int j = 0; j < 16; j++) best = m[j] > best ? m[j] : best;
+    }
+    for (; i < n; i++) best = x[i] > best ? x[i] : best;
+    return best;
+}
+
+/* int8 codes as floats: a plain loop, which the vectorizer turns into widening loads (vpmovsxbd)
+ * and conversions, where converting vector-extension types went lane by lane. */
+INLINE void widen(float *restrict out, const int8_t *restrict in, size_t count) {
+    for (size_t i = 0; i < count; i++) out[i] = (float)in[i];
 }
 
 INLINE float sum16(v16 a) {
@@ -147,25 +178,41 @@ INLINE v16 sum16x16(const v16 *a) {
 
 #define BLOCK 16 /* slots per block: one vector of scores per head */
 
+/* Prefetches the rows `ahead` slots past s0..s0+rows-1: every 64-byte line of each. */
+INLINE void prefetch_rows(const char *base, size_t row_bytes, int s0, int rows, int ahead) {
+    for (int r = 0; r < rows; r++)
+        for (size_t b = 0; b < row_bytes; b += 64)
+            __builtin_prefetch(base + (size_t)(s0 + ahead + r) * row_bytes + b, 0, PREFETCH_LOCALITY);
+}
+
 /* Scores, softmax numerators and weighted values of slots part->lo..hi for every head, head_dim =
- * 16 * C. Slots go in blocks of 16: each head's 16 dot products end in one reduction tree, and the
- * weighted values of GB heads at a time stay in registers while the block's rows are read. */
-#define DEFINE_PART(C, GB)                                                                             \
-    INLINE void part_##C(const Job *job, Part *part) {                                                 \
+ * 16 * C, cache elements of type T (float, or int8_t codes widened a block of rows at a time into
+ * an L1 buffer). Slots go in blocks of 16: each head's 16 dot products end in one reduction tree,
+ * and the weighted values of GB heads at a time stay in registers while the block's rows are
+ * read. Prefetching runs the same bytes ahead for any T. Masked slots need no special case: a
+ * score plus a mask <= -1e30 is far below the part's maximum (an unmasked slot, as the live span
+ * ends in unmasked slots and each part has one of them), and its exponential is 0. */
+#define ROWS_AS_FLOAT(cache, s0, rows, buffer)                                                         \
+    (sizeof(*(cache)) == 1 ? (widen(buffer, (const int8_t *)(const void *)(cache) + (size_t)(s0) * row,        \
+                             (size_t)(rows) * row), (const float *)(buffer))                          \
+                           : (const float *)(const void *)(cache) + (size_t)(s0) * row)
+#define DEFINE_PART(NAME, C, GB, T)                                                                    \
+    INLINE void NAME(const Job *job, Part *part) {                                                     \
         const int heads = job->heads, group = heads / job->kv_heads, row = job->row;                   \
-        const int n = part->hi - part->lo + 1;                                                         \
+        const int n = part->hi - part->lo + 1, ahead = PREFETCH_ROWS * 4 / (int)sizeof(T);             \
+        const T *keys = job->keys, *values = job->values;                                              \
+        float widened[sizeof(T) == 1 ? BLOCK * row : 1];                                               \
         for (int i0 = 0; i0 < n; i0 += BLOCK) {                                                        \
             const int rows = n - i0 < BLOCK ? n - i0 : BLOCK, s0 = part->lo + i0;                      \
-            for (int r = 0; r < rows; r++)                                                             \
-                for (int c = 0; c < job->kv_heads * C; c++)                                            \
-                    __builtin_prefetch(job->keys + (size_t)(s0 + PREFETCH_ROWS + r) * row + 16 * c, 0, PREFETCH_LOCALITY); \
+            prefetch_rows((const char *)keys, sizeof(T) * row, s0, rows, ahead);                       \
+            const float *block = ROWS_AS_FLOAT(keys, s0, rows, widened);                               \
             for (int kv = 0; kv < job->kv_heads; kv++)                                                 \
                 for (int g = 0; g < group; g++) {                                                      \
                     const int h = kv * group + g;                                                      \
                     const float *q = job->query + (size_t)h * 16 * C;                                  \
                     v16 a[BLOCK];                                                                      \
                     _Pragma("GCC unroll 16") for (int r = 0; r < BLOCK; r++) {                         \
-                        const float *k = job->keys + (size_t)(s0 + (r < rows ? r : 0)) * row + (size_t)kv * 16 * C; \
+                        const float *k = block + (size_t)(r < rows ? r : 0) * row + (size_t)kv * 16 * C; \
                         a[r] = load16(q) * load16(k);                                                  \
                         _Pragma("GCC unroll 16") for (int c = 1; c < C; c++) a[r] += load16(q + 16 * c) * load16(k + 16 * c); \
                     }                                                                                  \
@@ -174,12 +221,10 @@ INLINE v16 sum16x16(const v16 *a) {
                 }                                                                                      \
         }                                                                                              \
         for (int h = 0; h < heads; h++) {                                                              \
-            float *sc = job->scores + (size_t)h * job->stride + part->first, best = -INFINITY, total = 0; \
+            float *sc = job->scores + (size_t)h * job->stride + part->first, total = 0;                \
             const float *m = job->mask + part->lo;                                                     \
-            for (int i = 0; i < n; i++) {                                                              \
-                sc[i] = m[i] <= MASKED_BELOW ? -INFINITY : sc[i] + m[i];                               \
-                best = sc[i] > best ? sc[i] : best;                                                    \
-            }                                                                                          \
+            for (int i = 0; i < n; i++) sc[i] += m[i];                                                 \
+            const float best = max_of(sc, n);                                                          \
             for (int i = 0; i < n; i++) {                                                              \
                 sc[i] = exp_nonpositive(sc[i] - best);                                                 \
                 total += sc[i];                                                                        \
@@ -190,9 +235,8 @@ INLINE v16 sum16x16(const v16 *a) {
         memset(part->acc, 0, sizeof(float) * (size_t)heads * 16 * C);                                  \
         for (int i0 = 0; i0 < n; i0 += BLOCK) {                                                        \
             const int rows = n - i0 < BLOCK ? n - i0 : BLOCK, s0 = part->lo + i0;                      \
-            for (int r = 0; r < rows; r++)                                                             \
-                for (int c = 0; c < job->kv_heads * C; c++)                                            \
-                    __builtin_prefetch(job->values + (size_t)(s0 + PREFETCH_ROWS + r) * row + 16 * c, 0, PREFETCH_LOCALITY); \
+            prefetch_rows((const char *)values, sizeof(T) * row, s0, rows, ahead);                     \
+            const float *block = ROWS_AS_FLOAT(values, s0, rows, widened);                             \
             for (int kv = 0; kv < job->kv_heads; kv++)                                                 \
                 for (int g0 = 0; g0 < group; g0 += GB) {                                               \
                     const int gb = group - g0 < GB ? group - g0 : GB;                                  \
@@ -201,7 +245,7 @@ INLINE v16 sum16x16(const v16 *a) {
                     _Pragma("GCC unroll 16") for (int g = 0; g < GB; g++)                              \
                         _Pragma("GCC unroll 16") for (int c = 0; c < C; c++) acc[g][c] = g < gb ? load16(dst + (g * C + c) * 16) : (v16){0}; \
                     for (int r = 0; r < rows; r++) {                                                   \
-                        const float *v = job->values + (size_t)(s0 + r) * row + (size_t)kv * 16 * C;   \
+                        const float *v = block + (size_t)r * row + (size_t)kv * 16 * C;                \
                         v16 value[C];                                                                  \
                         _Pragma("GCC unroll 16") for (int c = 0; c < C; c++) value[c] = load16(v + 16 * c); \
                         _Pragma("GCC unroll 16") for (int g = 0; g < GB; g++) {                        \
@@ -214,11 +258,18 @@ INLINE v16 sum16x16(const v16 *a) {
         }                                                                                              \
     }
 
-DEFINE_PART(4, 3)
-DEFINE_PART(8, 1)
-DEFINE_PART(16, 1)
+DEFINE_PART(part_4, 4, 3, float)
+DEFINE_PART(part_8, 8, 1, float)
+DEFINE_PART(part_16, 16, 1, float)
+DEFINE_PART(part_4_i8, 4, 3, int8_t)
+DEFINE_PART(part_8_i8, 8, 1, int8_t)
+DEFINE_PART(part_16_i8, 16, 1, int8_t)
 
-/* Any head_dim: the same computation one float at a time. */
+INLINE float element(const void *base, size_t i, int int8) {
+    return int8 ? (float)((const int8_t *)base)[i] : ((const float *)base)[i];
+}
+
+/* Any head_dim: the same computation one element at a time. */
 INLINE void part_any(const Job *job, Part *part) {
     const int d = job->head_dim, heads = job->heads, group = heads / job->kv_heads, n = part->hi - part->lo + 1;
     for (int h = 0; h < heads; h++) {
@@ -226,9 +277,9 @@ INLINE void part_any(const Job *job, Part *part) {
         float *sc = job->scores + (size_t)h * job->stride + part->first, best = -INFINITY, total = 0.0f;
         for (int i = 0; i < n; i++) {
             const int s = part->lo + i;
-            const float *k = job->keys + (size_t)s * job->row + (size_t)(h / group) * d;
+            const size_t k = (size_t)s * job->row + (size_t)(h / group) * d;
             float dot = 0.0f;
-            for (int j = 0; j < d; j++) dot += q[j] * k[j];
+            for (int j = 0; j < d; j++) dot += q[j] * element(job->keys, k + j, job->int8);
             sc[i] = job->mask[s] <= MASKED_BELOW ? -INFINITY : dot + job->mask[s];
             best = sc[i] > best ? sc[i] : best;
         }
@@ -237,8 +288,8 @@ INLINE void part_any(const Job *job, Part *part) {
         for (int i = 0; i < n; i++) {
             sc[i] = exp_nonpositive(sc[i] - best);
             total += sc[i];
-            const float *v = job->values + (size_t)(part->lo + i) * job->row + (size_t)(h / group) * d;
-            for (int j = 0; j < d; j++) acc[j] += sc[i] * v[j];
+            const size_t v = (size_t)(part->lo + i) * job->row + (size_t)(h / group) * d;
+            for (int j = 0; j < d; j++) acc[j] += sc[i] * element(job->values, v + j, job->int8);
         }
         part->max[h] = best;
         part->sum[h] = total;
@@ -251,10 +302,13 @@ VECTOR_CLONES static void attend_part(const Job *job, Part *part) {
         memset(part->acc, 0, sizeof(float) * (size_t)job->heads * job->head_dim);
         return;
     }
-    switch (job->head_dim) {
+    switch (job->head_dim * (job->int8 ? -1 : 1)) {
     case 64: part_4(job, part); break;
     case 128: part_8(job, part); break;
     case 256: part_16(job, part); break;
+    case -64: part_4_i8(job, part); break;
+    case -128: part_8_i8(job, part); break;
+    case -256: part_16_i8(job, part); break;
     default: part_any(job, part);
     }
 }
@@ -399,42 +453,55 @@ static Status op_output_layouts(void *user_data, size_t num_inputs, const Layout
     return STATUS_OK;
 }
 
-static Status buffer(const AttentionConfig *cfg, void *handle, void **address, size_t *floats) {
+static Status buffer(const AttentionConfig *cfg, void *handle, void **address, size_t *count, size_t element) {
     size_t bytes = 0;
     if (cfg->host_memory(handle, address) != STATUS_OK || cfg->buffer_size(handle, &bytes) != STATUS_OK)
         return STATUS_RUNTIME_FAILURE;
-    *floats = bytes / sizeof(float);
+    *count = bytes / element;
     return STATUS_OK;
 }
 
-/* Checks the sizes and fills the job; the scores go to `scores` with `stride` columns per head. */
-static Status make_job(Job *job, const float *q, size_t nq, const float *k, size_t nk, const float *v, size_t nv,
-                       const float *m, size_t slots, int head_dim, int max_heads, float *scores, int stride) {
+/* Checks the sizes (nk, nv in cache elements) and fills the job; the scores go to `scores` with
+ * `stride` columns per head. */
+static Status make_job(Job *job, const float *q, size_t nq, const void *k, size_t nk, const void *v, size_t nv,
+                       int int8, const float *m, size_t slots, int head_dim, int max_heads, float *scores,
+                       int stride) {
     if (head_dim <= 0 || slots == 0 || slots > (size_t)stride || nq % head_dim || nk != nv || nk % slots ||
         (nk / slots) % head_dim || nq / head_dim > (size_t)max_heads)
         return STATUS_INVALID_ARGUMENT;
     const int heads = (int)(nq / head_dim), kv_heads = (int)(nk / slots / head_dim);
     if (heads == 0 || kv_heads == 0 || heads % kv_heads) return STATUS_INVALID_ARGUMENT;
-    *job = (Job){q, k, v, m, heads, kv_heads, head_dim, kv_heads * head_dim, scores, stride};
+    *job = (Job){q, m, k, v, int8, heads, kv_heads, head_dim, kv_heads * head_dim, scores, stride};
     return STATUS_OK;
 }
 
-static Status op_run(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs, void **outputs) {
+static Status run(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs, void **outputs,
+                  int int8) {
     AttentionConfig *cfg = user_data;
     State *st = cfg->state;
     if (!st || num_inputs != 4 || num_outputs != 1) return STATUS_INVALID_ARGUMENT;
     void *q, *k, *v, *m, *o;
-    size_t nq, nk, nv, nm, no;
-    if (buffer(cfg, inputs[0], &q, &nq) || buffer(cfg, inputs[1], &k, &nk) || buffer(cfg, inputs[2], &v, &nv) ||
-        buffer(cfg, inputs[3], &m, &nm) || buffer(cfg, outputs[0], &o, &no))
+    size_t nq, nk, nv, nm, no, element = int8 ? 1 : sizeof(float);
+    if (buffer(cfg, inputs[0], &q, &nq, sizeof(float)) || buffer(cfg, inputs[1], &k, &nk, element) ||
+        buffer(cfg, inputs[2], &v, &nv, element) || buffer(cfg, inputs[3], &m, &nm, sizeof(float)) ||
+        buffer(cfg, outputs[0], &o, &no, sizeof(float)))
         return STATUS_RUNTIME_FAILURE;
     Job job;
     /* a decode mask holds one row of S slots */
-    if (nq != no || make_job(&job, q, nq, k, nk, v, nv, m, nm, cfg->head_dim, cfg->num_heads, st->scores,
+    if (nq != no || make_job(&job, q, nq, k, nk, v, nv, int8, m, nm, cfg->head_dim, cfg->num_heads, st->scores,
                              cfg->max_slots))
         return STATUS_INVALID_ARGUMENT;
     attend(st, &job, (int)nm, o, cfg->threads);
     return STATUS_OK;
+}
+
+static Status op_run(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs, void **outputs) {
+    return run(user_data, num_inputs, inputs, num_outputs, outputs, 0);
+}
+
+static Status op_run_int8(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
+                          void **outputs) {
+    return run(user_data, num_inputs, inputs, num_outputs, outputs, 1);
 }
 
 static Status op_destroy(void *user_data) {
@@ -448,10 +515,11 @@ typedef struct {
     void *init, *output_layouts, *run, *destroy;
 } Kernel; /* LiteRtCustomOpKernel */
 
-void litekv_attention_kernel(Kernel *kernel) {
+/* The callbacks of "litekv.decode_attention", or of "litekv.decode_attention_int8" if `int8`. */
+void litekv_attention_kernel(Kernel *kernel, int int8) {
     kernel->init = (void *)op_init;
     kernel->output_layouts = (void *)op_output_layouts;
-    kernel->run = (void *)op_run;
+    kernel->run = int8 ? (void *)op_run_int8 : (void *)op_run;
     kernel->destroy = (void *)op_destroy;
 }
 
@@ -462,16 +530,16 @@ void litekv_attention_release(AttentionConfig *cfg) {
 }
 
 /* The same computation on host arrays, with the registration's state (tests, benchmarks): query
- * [H*D], keys and values [slots, KVH*D], mask [slots], out [H*D]. */
-int litekv_attention_run(AttentionConfig *cfg, const float *query, const float *keys, const float *values,
-                         const float *mask, float *out, int heads, int kv_heads, int slots) {
+ * [H*D], keys and values [slots, KVH*D] (float, or int8_t if `int8`), mask [slots], out [H*D]. */
+int litekv_attention_run(AttentionConfig *cfg, const float *query, const void *keys, const void *values,
+                         const float *mask, float *out, int heads, int kv_heads, int slots, int int8) {
     if (heads <= 0 || kv_heads <= 0 || slots <= 0) return STATUS_INVALID_ARGUMENT;
     if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
     const size_t n = (size_t)slots * kv_heads * cfg->head_dim;
     Job job;
     State *st = cfg->state;
-    Status status = make_job(&job, query, (size_t)heads * cfg->head_dim, keys, n, values, n, mask, (size_t)slots,
-                             cfg->head_dim, cfg->num_heads, st->scores, cfg->max_slots);
+    Status status = make_job(&job, query, (size_t)heads * cfg->head_dim, keys, n, values, n, int8, mask,
+                             (size_t)slots, cfg->head_dim, cfg->num_heads, st->scores, cfg->max_slots);
     if (status == STATUS_OK) attend(st, &job, slots, out, cfg->threads);
     return status;
 }
