@@ -122,10 +122,13 @@ class ConvertOptions:
     def one_token_buckets(self) -> tuple[int, ...]:
         """Capacities of the decode and sampling entry points.
 
-        A one-token step's attention reads the whole bucket, about a third of an int8 step at 512
-        slots, so by default these are finer than the prefill buckets: half a bucket is inserted
-        between doublings and 128 below the smallest (a decode at 300 tokens runs in a 384-slot
-        bucket, not 512), for about 6 MB of memory each."""
+        litekv's attention kernel reads only the live slots, so by default a kernel bundle has one
+        decode entry point, at max context: a step at 64 live tokens costs there what it costs in a
+        128-slot bucket (5.18 against 5.31 ms, int4), and each entry point costs about 6 MB.
+        Builtin-op attention reads the whole bucket, about a third of an int8 step at 512 slots, so
+        for it these are finer than the prefill buckets: half a bucket is inserted between
+        doublings and 128 below the smallest (a decode at 300 tokens runs in a 384-slot bucket,
+        not 512)."""
         if self.backend == "onnx":
             return (self.max_context,)
         if self.decode_buckets is not None:
@@ -133,6 +136,8 @@ class ConvertOptions:
         coarse = self.prefill_buckets()
         if self.kv_buckets is not None:
             return coarse
+        if self.attention_kind == "kernel":
+            return (self.max_context,)
         finer = set(coarse) | {SMALLEST_BUCKET // 2}
         finer |= {a + (b - a) // 2 for a, b in zip(coarse, coarse[1:]) if b == 2 * a}
         return tuple(sorted(b for b in finer if b <= self.max_context))
@@ -306,7 +311,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated prefill signature lengths")
     parser.add_argument("--kv-buckets", help="comma-separated KV capacities (TFLite), ending at --max-context")
     parser.add_argument("--decode-buckets", help="comma-separated KV capacities of the one-token entry points "
-                        "(TFLite; default: --kv-buckets, or finer than the default buckets)")
+                        "(TFLite; default: --kv-buckets, else the max context alone with the attention "
+                        "kernel, finer than the prefill buckets with --decode-attention graph)")
     parser.add_argument("--lora-rank", type=int, help="add LoRA inputs of this rank on q, k, v and o")
     parser.add_argument("--no-sampler", action="store_true", help="omit the in-graph sampling entry points")
     parser.add_argument("--kv-cache", choices=KV_CACHE_FORMATS, default="fp32",

@@ -13,8 +13,17 @@ PREFILL_BUCKETS = (32, 64)
 DECODE_BUCKETS = (8, 16, 24, 32, 48, 64)
 
 
-def test_default_decode_buckets_refine_the_prefill_buckets():
+def test_kernel_bundles_decode_at_max_context_only():
+    """The kernel reads only the live slots: one decode entry point, prefill keeps its buckets."""
     options = ConvertOptions(max_context=4096, prefill_lengths=(32, 512))
+    assert options.one_token_buckets() == (4096,)
+    names = {s.name for s in tflite_signatures(options)}
+    assert "decode" in names and not [n for n in names if n.startswith("decode_s")]
+    assert {"prefill_32_s256", "prefill_512_s1024", "prefill_512"} <= names
+
+
+def test_default_decode_buckets_refine_the_prefill_buckets():
+    options = ConvertOptions(max_context=4096, prefill_lengths=(32, 512), decode_attention="graph")
     assert options.prefill_buckets() == (256, 512, 1024, 2048, 4096)
     assert options.one_token_buckets() == (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
     names = {s.name for s in tflite_signatures(options)}
