@@ -22,7 +22,9 @@ from litekv.flat_tables import FlatTableError, build, parse
 LAYOUTS = ("BSHD", "BHSD")
 BLOCK_SIZE = 16  # tokens per block in `block_table`
 ALIGNMENT = 64  # LiteRT binds host memory zero-copy only when 64-byte aligned
-MMAP_MIN_BYTES = 1 << 20
+# A layer of SmolLM2's int8 cache at 4,096 slots is 786 KB: it must be a map too, or heap reuse
+# makes calloc clear (and make resident) all of it.
+MMAP_MIN_BYTES = 1 << 18
 FORMAT_VERSION = 1
 IDENTIFIER = b"LKVC"
 # Field order = vtable slots of litekv/schema/kv_cache.fbs.
