@@ -276,18 +276,9 @@ class TFLiteOps(GraphOps):
         mask = self.local_mask if window is not None else self.mask
         if t == 1 and self.decode_attention == "kernel":
             return self._kernel_attention(q, caches, mask, scale, layer)
-        if self.kv_scales is None:
-            return self._builtin_attention(q, caches, mask, scale)
-        # Builtin ops read floats: the codes are cast (one pass over the cache), and the scales
-        # go to the query and the output, as in the kernel, rather than over the whole cache.
-        q = self.binary("mul", self.reshape(q, (1, t, cfg.num_heads * d)), self._kv_scale("k", layer))
-        out = self._builtin_attention(q, [self.to_float(c) for c in caches], mask, scale)
-        return self.binary("mul", out, self._kv_scale("v", layer))
-
-    def _builtin_attention(self, q: Sym, caches: list[Sym], mask: Sym, scale: float) -> Sym:
-        """Attention in builtin ops over float caches: prefill chunks, and decode steps without the kernel."""
-        cfg, t, s = self.cfg, self.sig.tokens, self.sig.capacity
-        kvh, g, d = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
+        if self.kv_scales is not None:  # builtin attention reads floats: a pass over the cache
+            caches = [self.binary("mul", self.to_float(c), self._kv_scale(kind, layer))
+                      for kind, c in zip(("k", "v"), caches)]
         if t == 1 and kvh <= SPREAD_MAX_KV_HEADS:
             return self._decode_attention(q, caches, mask, scale)
         # XNNPACK runs a reshape of a bound tensor as a copy: a pass over the cache, which a
@@ -305,10 +296,12 @@ class TFLiteOps(GraphOps):
         out = self.transpose(self.reshape(out, (kvh, g, t, d)), (2, 0, 1, 3))  # [T, KVH, G, D]
         return self.reshape(out, (1, t, cfg.num_heads * d))
 
-    def _kv_scale(self, kind: str, layer: int) -> Sym:
-        """The static scales of one layer's K or V as a row [H*D]: query head h reads KV head h // G."""
-        scales = np.repeat(self.kv_scales[0 if kind == "k" else 1][layer], self.cfg.group_size, axis=0)
-        return self._shared(f"kv_scale.{kind}.{layer}", scales.reshape(-1))
+    def _kv_scale(self, kind: str, layer: int, per_query_head: bool = False) -> Sym:
+        """The static scales of one layer's K or V as a row: [KVH*D], or [H*D] repeated per query head."""
+        scales = self.kv_scales[0 if kind == "k" else 1][layer]  # [KVH, D]
+        if per_query_head:
+            scales = np.repeat(scales, self.cfg.group_size, axis=0)  # query head h reads KV head h // G
+        return self._shared(f"kv_scale.{kind}.{layer}.{'q' if per_query_head else 'kv'}", scales.reshape(-1))
 
     def _kv_codes(self, x: Sym, kind: str, layer: int) -> Sym:
         """int8 codes round(x / scale), clipped to +-127 (a symmetric range, as the calibration assumes)."""
@@ -333,7 +326,7 @@ class TFLiteOps(GraphOps):
             q, op = self.binary("mul", q, self._scaled_key_scales(layer, scale)), DECODE_ATTENTION_INT8_OP
         out = self._new((1, 1, width))
         self.sg.custom_op(op, [q.ref, caches[0].ref, caches[1].ref, mask.ref], [out.ref])
-        return out if self.kv_scales is None else self.binary("mul", out, self._kv_scale("v", layer))
+        return out if self.kv_scales is None else self.binary("mul", out, self._kv_scale("v", layer, True))
 
     def _scaled_key_scales(self, layer: int, scale: float) -> Sym:
         scales = np.repeat(self.kv_scales[0][layer], self.cfg.group_size, axis=0).reshape(-1) * np.float32(scale)

@@ -34,16 +34,15 @@ def int8_kv_bundle(arch: str, backend: str = "onnx"):
 
 def scales(bundle, kind: str, layer: int) -> np.ndarray:
     """The graph's scale for one layer, as [KVH, D] (the dequantized value is code * scale)."""
-    if (bundle / "model.tflite").exists():  # a constant [H*D], repeated per query head, that every entry point shares
-        cfg = open_executor(bundle).config
+    if (bundle / "model.tflite").exists():  # a constant [KVH*D] every entry point shares
+        kv_heads = open_executor(bundle).config.num_kv_heads
         model = schema.Model.GetRootAs((bundle / "model.tflite").read_bytes(), 0)
         for g in range(model.SubgraphsLength()):
             graph = model.Subgraphs(g)
             for i in range(graph.TensorsLength()):
                 tensor = graph.Tensors(i)
-                if tensor.Name().decode() == f"kv_scale.{kind}.{layer}":
-                    per_head = model.Buffers(tensor.Buffer()).DataAsNumpy().view(np.float32).reshape(cfg.num_heads, -1)
-                    return per_head[::cfg.group_size]
+                if tensor.Name().decode() == f"kv_scale.{kind}.{layer}.kv":
+                    return model.Buffers(tensor.Buffer()).DataAsNumpy().view(np.float32).reshape(kv_heads, -1)
         raise AssertionError(f"no scale tensor for {kind} {layer}")
     model = onnx.load(str(bundle / "model.onnx"), load_external_data=False)
     init = next(t for t in model.graph.initializer if t.name == f"kv_scale_{kind}_{layer}")
