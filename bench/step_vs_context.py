@@ -42,10 +42,11 @@ def plot(results: dict[str, dict[int, float]], path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for label, times in results.items():
+    colors = plt.get_cmap("tab20").colors  # twelve lines: more than the default cycle's ten colours
+    for i, (label, times) in enumerate(results.items()):
         style = ("-" if label.startswith("litert") else "--") if not label.endswith("kvint8") else \
             ("-." if label.startswith("litert") else ":")
-        ax.plot(list(times), list(times.values()), style, marker="o", label=label)
+        ax.plot(list(times), list(times.values()), style, marker="o", label=label, color=colors[i % len(colors)])
     ax.set_xscale("log", base=2)
     ax.set_xticks(LIVE, [str(n) for n in LIVE])
     ax.set_xlabel("tokens attended by the step (max context 4096)")
