@@ -296,12 +296,14 @@ class TFLiteOps(GraphOps):
         out = self.transpose(self.reshape(out, (kvh, g, t, d)), (2, 0, 1, 3))  # [T, KVH, G, D]
         return self.reshape(out, (1, t, cfg.num_heads * d))
 
-    def _kv_scale(self, kind: str, layer: int, per_query_head: bool = False) -> Sym:
-        """The static scales of one layer's K or V as a row: [KVH*D], or [H*D] repeated per query head."""
+    def _kv_scale(self, kind: str, layer: int, per_query_head: bool = False, times: float = 1.0) -> Sym:
+        """The static scales of one layer's K or V (times a factor) as a row: [KVH*D], or [H*D]
+        repeated per query head."""
         scales = self.kv_scales[0 if kind == "k" else 1][layer]  # [KVH, D]
         if per_query_head:
             scales = np.repeat(scales, self.cfg.group_size, axis=0)  # query head h reads KV head h // G
-        return self._shared(f"kv_scale.{kind}.{layer}.{'q' if per_query_head else 'kv'}", scales.reshape(-1))
+        name = f"kv_scale.{kind}.{layer}.{'q' if per_query_head else 'kv'}" + ("" if times == 1.0 else f".x{times:.9g}")
+        return self._shared(name, (scales.reshape(-1) * np.float32(times)).astype(np.float32))
 
     def _kv_codes(self, x: Sym, kind: str, layer: int) -> Sym:
         """int8 codes round(x / scale), clipped to +-127 (a symmetric range, as the calibration assumes)."""
@@ -323,14 +325,10 @@ class TFLiteOps(GraphOps):
         if self.kv_scales is None:
             q, op = self.binary("mul", q, self.const(np.float32(scale))), DECODE_ATTENTION_OP
         else:
-            q, op = self.binary("mul", q, self._scaled_key_scales(layer, scale)), DECODE_ATTENTION_INT8_OP
+            q, op = self.binary("mul", q, self._kv_scale("k", layer, True, scale)), DECODE_ATTENTION_INT8_OP
         out = self._new((1, 1, width))
         self.sg.custom_op(op, [q.ref, caches[0].ref, caches[1].ref, mask.ref], [out.ref])
         return out if self.kv_scales is None else self.binary("mul", out, self._kv_scale("v", layer, True))
-
-    def _scaled_key_scales(self, layer: int, scale: float) -> Sym:
-        scales = np.repeat(self.kv_scales[0][layer], self.cfg.group_size, axis=0).reshape(-1) * np.float32(scale)
-        return self._shared(f"kv_scale.k.{layer}.query", scales.astype(np.float32))
 
     def _decode_attention(self, q: Sym, caches: list[Sym], mask: Sym, scale: float) -> Sym:
         """One query token against the cache as it lies in memory, [S, KVH*D], never transposed or copied.

@@ -118,8 +118,8 @@ class AttentionKernel:
         query, mask = (np.ascontiguousarray(a, np.float32) for a in (query, mask))
         keys, values = (np.ascontiguousarray(a, kv_dtype) for a in (keys, values))
         out = np.empty_like(query)
-        status = self._lib.litekv_attention_run(ctypes.byref(self.config), *(a.ctypes.data for a in (query, keys, values,
-                                                                                                      mask, out)),
+        pointers = (a.ctypes.data for a in (query, keys, values, mask, out))
+        status = self._lib.litekv_attention_run(ctypes.byref(self.config), *pointers,
                                                 query.size // self.config.head_dim, num_kv_heads, mask.size, int(int8))
         if status != 0:
             raise ValueError(f"decode attention rejected the shapes (status {status})")
