@@ -122,7 +122,13 @@ def litekv_kernel(sg, slots: int, dtype: str = "float32") -> list[int]:
 
 
 def litekv_kernel_int8(sg, slots: int) -> list[int]:
-    """The kernel's int8 form on an int8 cache (--kv-cache int8): a quarter of the bytes."""
+    """The kernel's int8 form on an int8 cache (--kv-cache int8): a quarter of the bytes, multiplied
+    as integers (AVX-512 VNNI) where the CPU can."""
+    return litekv_kernel(sg, slots, "int8")
+
+
+def litekv_kernel_int8_widened(sg, slots: int) -> list[int]:
+    """The same, with the codes widened to floats: what CPUs without AVX-512 VNNI run."""
     return litekv_kernel(sg, slots, "int8")
 
 
@@ -165,6 +171,7 @@ VARIANTS = {
     "int8 cache, float x int8 batch matmul": (int8_hybrid, 1.0, 1),
     "litekv decode-attention kernel (custom op)": (litekv_kernel, 1.0, 4),
     "litekv kernel, int8 cache": (litekv_kernel_int8, 1.0, 1),
+    "litekv kernel, int8 cache, codes widened to floats": (litekv_kernel_int8_widened, 1.0, 1),
 }
 
 
@@ -186,8 +193,9 @@ def time_litert(slots: int, graph, threads: int, repeats: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "attention.tflite"
         build(path, slots, graph)
-        kernels = ([native_attention.AttentionKernel(HEAD_DIM, HEADS, slots, threads, litert=litert_capi.library())]
-                   if graph in (litekv_kernel, litekv_kernel_int8) else [])
+        kernels = ([native_attention.AttentionKernel(HEAD_DIM, HEADS, slots, threads, litert=litert_capi.library(),
+                                                     int8_dot=graph is not litekv_kernel_int8_widened)]
+                   if graph in (litekv_kernel, litekv_kernel_int8, litekv_kernel_int8_widened) else [])
         model = CompiledTFLiteModel(path, num_threads=threads, custom_ops=kernels)
         rng = np.random.default_rng(0)
         sig = model.signature("run")
@@ -235,16 +243,20 @@ def main() -> None:
     parser.add_argument("--slots", default="384,2048", help="cache capacities to time")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--only", default="", help="time only the kernels whose label contains this text")
     args = parser.parse_args()
     rows, result = [], {}
     for slots in (int(s) for s in args.slots.split(",")):
         cache_mb = LAYERS * 2 * slots * ROW * 4 / 1e6  # float32 keys and values
         timings, read_mb = {}, {}
         for label, (graph, fraction, itemsize) in VARIANTS.items():
+            if args.only not in label:
+                continue
             timings[label] = time_litert(slots, graph, args.threads, args.repeats)
             read_mb[label] = cache_mb * fraction * itemsize / 4
-        timings["numpy/OpenBLAS, same arithmetic"] = time_numpy(slots, args.repeats)
-        read_mb["numpy/OpenBLAS, same arithmetic"] = cache_mb
+        if not args.only:
+            timings["numpy/OpenBLAS, same arithmetic"] = time_numpy(slots, args.repeats)
+            read_mb["numpy/OpenBLAS, same arithmetic"] = cache_mb
         for label, ms in timings.items():
             rows.append([slots, label, f"{ms:.2f}", f"{read_mb[label] / ms:.1f}"])
         result[str(slots)] = {"cache_mb": cache_mb, "ms": timings}

@@ -27,7 +27,7 @@ class AttentionConfig(ctypes.Structure):
 
     _fields_ = [("host_memory", ctypes.c_void_p), ("buffer_size", ctypes.c_void_p),
                 ("head_dim", ctypes.c_int32), ("threads", ctypes.c_int32), ("max_slots", ctypes.c_int32),
-                ("num_heads", ctypes.c_int32), ("state", ctypes.c_void_p)]
+                ("num_heads", ctypes.c_int32), ("int8_dot", ctypes.c_int32), ("state", ctypes.c_void_p)]
 
 
 class CustomOpKernel(ctypes.Structure):
@@ -60,6 +60,8 @@ def _load() -> ctypes.CDLL:
                     lib.litekv_attention_kernel.restype = None
                     lib.litekv_attention_release.argtypes = [ctypes.POINTER(AttentionConfig)]
                     lib.litekv_attention_release.restype = None
+                    lib.litekv_attention_int8_dot.argtypes = []
+                    lib.litekv_attention_int8_dot.restype = ctypes.c_int
                     lib.litekv_attention_run.restype = ctypes.c_int
                     lib.litekv_attention_run.argtypes = [ctypes.POINTER(AttentionConfig), *[ctypes.c_void_p] * 5,
                                                          *[ctypes.c_int] * 4]
@@ -78,6 +80,12 @@ def available() -> bool:
     return True
 
 
+def int8_dot_available() -> bool:
+    """Whether int8 caches are multiplied as integers here (AVX-512 VNNI); else their codes are
+    widened to floats, about twice as slow."""
+    return bool(_load().litekv_attention_int8_dot())
+
+
 class AttentionKernel:
     """One registration of the kernel for one compiled model: its config, scratch and helper thread.
 
@@ -86,7 +94,8 @@ class AttentionKernel:
     destroyed: it stops the helper thread and frees the scratch the model's runs use.
     """
 
-    def __init__(self, head_dim: int, num_heads: int, max_slots: int, threads: int, litert: ctypes.CDLL | None = None):
+    def __init__(self, head_dim: int, num_heads: int, max_slots: int, threads: int, litert: ctypes.CDLL | None = None,
+                 int8_dot: bool = True):
         lib = _load()
         self._lib = lib
         # One config (scratch, helper thread) serves both forms: a model uses one of them.
@@ -96,7 +105,8 @@ class AttentionKernel:
         entry = (lambda name: ctypes.cast(getattr(litert, name), ctypes.c_void_p)) if litert else (lambda name: None)
         self.config = AttentionConfig(
             host_memory=entry("LiteRtGetTensorBufferHostMemory"), buffer_size=entry("LiteRtGetTensorBufferSize"),
-            head_dim=head_dim, threads=max(1, min(2, threads)), max_slots=max_slots, num_heads=num_heads)
+            head_dim=head_dim, threads=max(1, min(2, threads)), max_slots=max_slots, num_heads=num_heads,
+            int8_dot=int(int8_dot))
 
     def register(self, litert: ctypes.CDLL, options: int) -> int:
         """LiteRtAddCustomOpKernelOption on `options` for both forms; returns the first failing LiteRtStatus, or 0."""
@@ -134,9 +144,10 @@ class AttentionKernel:
 
 
 def reference(query: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray, num_kv_heads: int,
-              head_dim: int, threads: int = 1) -> np.ndarray:
+              head_dim: int, threads: int = 1, int8_dot: bool = True) -> np.ndarray:
     """The kernel's arithmetic on host arrays, without LiteRT (for tests): see AttentionKernel.run."""
-    kernel = AttentionKernel(head_dim, np.asarray(query).size // head_dim, np.asarray(mask).size, threads)
+    kernel = AttentionKernel(head_dim, np.asarray(query).size // head_dim, np.asarray(mask).size, threads,
+                             int8_dot=int8_dot)
     try:
         return kernel.run(query, keys, values, mask, num_kv_heads)
     finally:

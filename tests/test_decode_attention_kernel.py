@@ -45,32 +45,63 @@ def case(heads, kv_heads, head_dim, slots, live, window=None, seed=0):
     (8, 4, 32, 64, 40, 16),       # a sliding window: a masked prefix
     (9, 3, 64, 512, 1, None),     # the first token
     (6, 6, 16, 32, 20, None),     # no grouping, a head_dim without a vector path
-    (8, 2, 128, 300, 290, 100),   # head_dim 128, a window inside the second half
+    (8, 2, 128, 300, 290, 100),   # head_dim 128, a window inside the second chunk
+    (9, 3, 64, 1100, 1001, None),  # five chunks, the last of one slot
+    (8, 2, 128, 1024, 900, 500),  # a window that starts inside a chunk
 ])
-@pytest.mark.parametrize("threads", [1, 2], ids=["one thread", "two halves merged"])
+@pytest.mark.parametrize("threads", [1, 2], ids=["one thread", "two threads"])
 def test_kernel_matches_numpy(heads, kv_heads, head_dim, slots, live, window, threads):
     q, k, v, m = case(heads, kv_heads, head_dim, slots, live, window)
     got = native_attention.reference(q, k, v, m, kv_heads, head_dim, threads)
     np.testing.assert_allclose(got, numpy_attention(q, k, v, m, kv_heads, head_dim), atol=2e-5, rtol=1e-4)
 
 
+def int8_case(heads, kv_heads, head_dim, slots, live, window=None):
+    q, _, _, m = case(heads, kv_heads, head_dim, slots, live, window)
+    rng = np.random.default_rng(1)
+    k, v = (rng.integers(-127, 128, (slots, kv_heads * head_dim), dtype=np.int8) for _ in range(2))
+    return q / 64, k, v, m  # a query of the size that gives scaled scores
+
+
 @pytest.mark.parametrize("heads, kv_heads, head_dim, slots, live, window", [
     (9, 3, 64, 384, 300, None),
     (4, 1, 256, 128, 100, None),
     (8, 2, 128, 300, 290, 100),
-    (6, 6, 16, 32, 20, None),
+    (6, 6, 16, 32, 20, None),     # no integer path for head_dim 16: the codes are widened
+    (9, 3, 64, 1500, 1401, None),  # six chunks, an odd count of slots
+    (4, 1, 256, 700, 600, 513),   # Gemma's heads and sliding window
 ])
-@pytest.mark.parametrize("threads", [1, 2], ids=["one thread", "two halves merged"])
-def test_int8_form_matches_numpy_on_the_codes(heads, kv_heads, head_dim, slots, live, window, threads):
+@pytest.mark.parametrize("threads", [1, 2], ids=["one thread", "two threads"])
+@pytest.mark.parametrize("int8_dot", [True, False], ids=["integer dot products", "codes widened to floats"])
+def test_int8_form_matches_numpy_on_the_codes(heads, kv_heads, head_dim, slots, live, window, threads, int8_dot):
     """The int8 form attends over the codes as they are (the graph folds the scales into the query
-    and the output): the same result as float attention over the codes converted to float."""
-    q, _, _, m = case(heads, kv_heads, head_dim, slots, live, window)
-    rng = np.random.default_rng(1)
-    k, v = (rng.integers(-127, 128, (slots, kv_heads * head_dim), dtype=np.int8) for _ in range(2))
-    q = q / 64  # scores of the size a scaled query gives
-    got = native_attention.reference(q, k, v, m, kv_heads, head_dim, threads)
+    and the output): the same result as float attention over the codes converted to float. The
+    integer path rounds the query to 14 bits and the softmax numerators to 15: within a twentieth
+    of one code, where rounding to codes moved every element by up to half of one."""
+    q, k, v, m = int8_case(heads, kv_heads, head_dim, slots, live, window)
+    got = native_attention.reference(q, k, v, m, kv_heads, head_dim, threads, int8_dot=int8_dot)
     expected = numpy_attention(q, k.astype(np.float64), v.astype(np.float64), m, kv_heads, head_dim)
-    np.testing.assert_allclose(got, expected, atol=2e-3, rtol=1e-4)
+    np.testing.assert_allclose(got, expected, atol=0.05 if int8_dot else 2e-3, rtol=1e-4)
+
+
+@pytest.mark.skipif(not native_attention.available() or not native_attention.int8_dot_available(),
+                    reason="this CPU has no AVX-512 VNNI")
+def test_int8_caches_use_integer_dot_products_where_the_cpu_has_them():
+    """Where the CPU has them the int8 form multiplies the codes as integers: not the float path's
+    arithmetic (the query and numerators are rounded), and close to it."""
+    q, k, v, m = int8_case(9, 3, 64, 700, 650)
+    integer = native_attention.reference(q, k, v, m, 3, 64, int8_dot=True)
+    widened = native_attention.reference(q, k, v, m, 3, 64, int8_dot=False)
+    assert not np.array_equal(integer, widened)
+    np.testing.assert_allclose(integer, widened, atol=0.05, rtol=1e-4)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float cache", "int8 cache"])
+def test_the_result_does_not_depend_on_the_thread_count(int8):
+    """The live span is cut in the same chunks whichever thread takes them, and merged in order."""
+    q, k, v, m = int8_case(9, 3, 64, 2048, 2000) if int8 else case(9, 3, 64, 2048, 2000)
+    one, two = (native_attention.reference(q, k, v, m, 3, 64, threads) for threads in (1, 2))
+    assert np.array_equal(one, two)
 
 
 def test_keys_and_values_must_share_a_dtype():

@@ -15,9 +15,12 @@
  * S and H come from the buffer sizes, D from the registration (AttentionConfig), which also
  * carries the two LiteRT entry points the kernel calls, so this library does not link LiteRT.
  *
- * With two threads the unmasked span of slots is cut in two halves; each thread computes its
- * half's scores, softmax numerators and weighted values, and the halves are merged with their
- * maxima (as in split-K "flash decoding"). Between calls the helper thread polls, then sleeps.
+ * The unmasked span of slots is cut in chunks of CHUNK_SLOTS; each chunk's scores, softmax
+ * numerators and weighted values are computed on their own and merged with their maxima (as in
+ * split-K "flash decoding"). With two threads, the caller and a helper thread take chunks until
+ * none is left: the helper starts 10-20 us after it is signalled here (XNNPACK's idle worker holds
+ * the other core), so a fixed half for it would leave the caller waiting. Between calls the
+ * helper polls, then sleeps.
  */
 #include <math.h>
 #include <pthread.h>
@@ -30,15 +33,22 @@
 #include <string.h>
 #include <time.h>
 
-#define MASKED_BELOW (-1e30f)
+#include "attention_common.h"
+
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 32 /* slots ahead: software prefetch crosses the 4 KB pages hardware stops at */
 #endif
 #ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 2 /* into L2, which takes more misses in flight than L1 */
 #endif
+#ifndef IDLE_SECONDS
 #define IDLE_SECONDS 0.002
+#endif
 #define MAX_RANK 8
+#ifndef CHUNK_SLOTS
+#define CHUNK_SLOTS 256 /* 5-15 us of work: what the caller may wait for at the end; smaller chunks cost more
+                           in restarting each pass over the rows */
+#endif
 
 /* Built where it runs, but possibly for a wider family (a wheel): pick AVX-512 or AVX2 at load. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -46,8 +56,6 @@
 #else
 #define VECTOR_CLONES
 #endif
-/* Helpers are inlined into the cloned function, so each ISA clone gets its own vector code. */
-#define INLINE static inline __attribute__((always_inline))
 
 typedef int Status; /* LiteRtStatus: 0 = ok */
 enum { STATUS_OK = 0, STATUS_INVALID_ARGUMENT = 1, STATUS_RUNTIME_FAILURE = 3 };
@@ -70,66 +78,37 @@ typedef struct {
     int32_t threads;
     int32_t max_slots; /* scratch is sized for this many slots per head */
     int32_t num_heads;
+    int32_t int8_dot; /* int8 caches: integer dot products where the CPU has them (else codes widen to floats) */
     void *state; /* owned by this library: scratch and the helper thread */
 } AttentionConfig;
 
 typedef struct {
-    const float *query, *mask;
-    const void *keys, *values;          /* float, or int8_t when `int8` */
-    int int8;
-    int heads, kv_heads, head_dim, row; /* row = KVH * D elements per cached slot */
-    float *scores;                      /* [heads][stride]: column i is slot lo + i */
-    int stride;
-} Job;
-
-typedef struct {
-    int lo, hi, first; /* slots lo..hi; their scores start at column `first` */
-    float *acc;        /* [heads * D] weighted values, not yet divided by the sum */
-    float *max, *sum;  /* [heads] */
-} Part;
-
-typedef struct {
-    float *scores, *acc, *max, *sum;
+    float *scores;         /* [heads][max_slots] */
+    float *acc, *max, *sum; /* [max_parts][heads * D], [max_parts][heads] x 2 */
+    int16_t *numerators;   /* [max_parts][heads][CHUNK_SLOTS + 2], for the int8 dot-product path */
+    int8_t *digit_bytes;   /* [2][heads * D] behind `digits` */
+    Digits digits;
+    Part *parts;           /* [max_parts] */
+    int max_slots, max_parts, int8_dot;
     pthread_t helper;
     pthread_mutex_t lock;
     pthread_cond_t wake;
-    atomic_int generation, done, stop;
+    atomic_int stop;
+    uint64_t calls;
     Job job;
-    Part part;
     int helper_running;
+    /* What the threads write while the other reads: each on its own cache line, away from the job
+     * (a shared line would bounce between the cores on every access to the job's fields). */
+    _Alignas(64) atomic_int generation;
+    /* the chunks on offer: call number << 40 | chunk count << 20 | next chunk. A thread takes a
+     * chunk by advancing `next` with a compare-and-swap, so a thread holding an old value can never
+     * take a chunk of a later call. */
+    _Alignas(64) _Atomic uint64_t ticket;
+    _Alignas(64) atomic_int completed;
+    char padding[60];
 } State;
 
 /* ---- the arithmetic ------------------------------------------------------------------------- */
-
-/* 16 floats; GCC and Clang lower it to one AVX-512 register, two AVX2 registers, or four SSE ones. */
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-
-INLINE v16 load16(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-INLINE v16 max16(v16 a, v16 b) {
-    const i32x16 greater = a > b;
-    return (v16)((greater & (i32x16)a) | (~greater & (i32x16)b));
-}
-
-/* The largest of x[0..n-1] (n >= 1), 16 lanes at a time. */
-INLINE float max_of(const float *x, int n) {
-    float best = x[0];
-    int i = 0;
-    if (n >= 16) {
-        v16 m = load16(x);
-        for (i = 16; i + 16 <= n; i += 16) m = max16(m, load16(x + i));
-        for (int j = 0; j < 16; j++) best = m[j] > best ? m[j] : best;
-    }
-    for (; i < n; i++) best = x[i] > best ? x[i] : best;
-    return best;
-}
 
 /* int8 codes as floats: a plain loop, which the vectorizer turns into widening loads (vpmovsxbd)
  * and conversions, where converting vector-extension types went lane by lane. */
@@ -141,22 +120,6 @@ INLINE float sum16(v16 a) {
     v8 h = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
            __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
     return ((h[0] + h[4]) + (h[1] + h[5])) + ((h[2] + h[6]) + (h[3] + h[7]));
-}
-
-/* e^x for x <= 0 (a score minus a maximum), 0 below -87: 2^n * 2^f with a degree-6 polynomial
- * for 2^f, f in [-0.5, 0.5], relative error ~2e-7. Plain arithmetic, so loops over it vectorize. */
-INLINE float exp_nonpositive(float x) {
-    const float t = (x < -87.0f ? -87.0f : x) * 1.44269504f;
-    const float n = __builtin_floorf(t + 0.5f), f = t - n;
-    float p = 1.5403530e-4f;
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
-    union { uint32_t u; float f; } scale = {(uint32_t)((int32_t)n + 127) << 23};
-    return x < -87.0f ? 0.0f : p * scale.f;
 }
 
 /* Lane r of the result is the sum of the 16 lanes of a[r]: a transpose-and-add tree, 45 vector
@@ -189,9 +152,7 @@ INLINE void prefetch_rows(const char *base, size_t row_bytes, int s0, int rows, 
  * 16 * C, cache elements of type T (float, or int8_t codes widened a block of rows at a time into
  * an L1 buffer). Slots go in blocks of 16: each head's 16 dot products end in one reduction tree,
  * and the weighted values of GB heads at a time stay in registers while the block's rows are
- * read. Prefetching runs the same bytes ahead for any T. Masked slots need no special case: a
- * score plus a mask <= -1e30 is far below the part's maximum (an unmasked slot, as the live span
- * ends in unmasked slots and each part has one of them), and its exponential is 0. */
+ * read. Prefetching runs the same bytes ahead for any T. */
 #define ROWS_AS_FLOAT(cache, s0, rows, buffer)                                                         \
     (sizeof(*(cache)) == 1 ? (widen(buffer, (const int8_t *)(const void *)(cache) + (size_t)(s0) * row,        \
                              (size_t)(rows) * row), (const float *)(buffer))                          \
@@ -220,18 +181,9 @@ INLINE void prefetch_rows(const char *base, size_t row_bytes, int s0, int rows, 
                     memcpy(job->scores + (size_t)h * job->stride + part->first + i0, &sums, sizeof(float) * rows); \
                 }                                                                                      \
         }                                                                                              \
-        for (int h = 0; h < heads; h++) {                                                              \
-            float *sc = job->scores + (size_t)h * job->stride + part->first, total = 0;                \
-            const float *m = job->mask + part->lo;                                                     \
-            for (int i = 0; i < n; i++) sc[i] += m[i];                                                 \
-            const float best = max_of(sc, n);                                                          \
-            for (int i = 0; i < n; i++) {                                                              \
-                sc[i] = exp_nonpositive(sc[i] - best);                                                 \
-                total += sc[i];                                                                        \
-            }                                                                                          \
-            part->max[h] = best;                                                                       \
-            part->sum[h] = total;                                                                      \
-        }                                                                                              \
+        for (int h = 0; h < heads; h++)                                                                \
+            part->sum[h] = softmax_numerators(job->scores + (size_t)h * job->stride + part->first,     \
+                                              job->mask + part->lo, n, &part->max[h]);                 \
         memset(part->acc, 0, sizeof(float) * (size_t)heads * 16 * C);                                  \
         for (int i0 = 0; i0 < n; i0 += BLOCK) {                                                        \
             const int rows = n - i0 < BLOCK ? n - i0 : BLOCK, s0 = part->lo + i0;                      \
@@ -297,11 +249,12 @@ INLINE void part_any(const Job *job, Part *part) {
 }
 
 VECTOR_CLONES static void attend_part(const Job *job, Part *part) {
-    if (part->lo > part->hi) { /* an empty half: it weighs nothing in the merge */
-        for (int h = 0; h < job->heads; h++) part->max[h] = -INFINITY, part->sum[h] = 0.0f;
-        memset(part->acc, 0, sizeof(float) * (size_t)job->heads * job->head_dim);
+#if LITEKV_INT8_DOT
+    if (job->int8 && job->int8_dot && job->head_dim % 64 == 0 && job->head_dim <= 256) {
+        attend_part_int8_dot(job, part);
         return;
     }
+#endif
     switch (job->head_dim * (job->int8 ? -1 : 1)) {
     case 64: part_4(job, part); break;
     case 128: part_8(job, part); break;
@@ -317,18 +270,17 @@ VECTOR_CLONES static void attend_part(const Job *job, Part *part) {
 static void merge(const Job *job, const Part *parts, int count, float *out) {
     const int d = job->head_dim;
     for (int h = 0; h < job->heads; h++) {
-        float best = -INFINITY, total = 0.0f, weight[2];
+        float best = -INFINITY, total = 0.0f, weight[count];
         for (int p = 0; p < count; p++) best = parts[p].max[h] > best ? parts[p].max[h] : best;
         for (int p = 0; p < count; p++) {
             weight[p] = parts[p].sum[h] > 0.0f ? exp_nonpositive(parts[p].max[h] - best) : 0.0f;
             total += weight[p] * parts[p].sum[h];
         }
-        for (int p = 0; p < count; p++) weight[p] /= total;
         float *o = out + (size_t)h * d;
-        for (int j = 0; j < d; j++) {
-            float v = 0.0f;
-            for (int p = 0; p < count; p++) v += weight[p] * parts[p].acc[(size_t)h * d + j];
-            o[j] = v;
+        memset(o, 0, sizeof(float) * d);
+        for (int p = 0; p < count; p++) {
+            const float w = weight[p] / total, *acc = parts[p].acc + (size_t)h * d;
+            for (int j = 0; j < d; j++) o[j] += w * acc[j];
         }
     }
 }
@@ -339,6 +291,20 @@ static double seconds(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+#define TICKET_FIELD 0xFFFFFu
+
+/* Takes and computes chunks of the current call until none is left. */
+static void take_chunks(State *st) {
+    uint64_t t = atomic_load_explicit(&st->ticket, memory_order_acquire);
+    while ((t & TICKET_FIELD) < ((t >> 20) & TICKET_FIELD)) {
+        if (atomic_compare_exchange_weak_explicit(&st->ticket, &t, t + 1, memory_order_acq_rel, memory_order_acquire)) {
+            attend_part(&st->job, &st->parts[t & TICKET_FIELD]);
+            atomic_fetch_add_explicit(&st->completed, 1, memory_order_release);
+            t = atomic_load_explicit(&st->ticket, memory_order_acquire);
+        }
+    }
 }
 
 /* Between the attention ops of a step, other ops run for tens of microseconds, and waking a
@@ -362,8 +328,7 @@ static void *helper_main(void *arg) {
         }
         if (atomic_load(&st->stop)) return NULL;
         seen = atomic_load_explicit(&st->generation, memory_order_acquire);
-        attend_part(&st->job, &st->part);
-        atomic_store_explicit(&st->done, seen, memory_order_release);
+        take_chunks(st);
     }
 }
 
@@ -376,7 +341,7 @@ static void live_span(const float *mask, int slots, int *lo, int *hi) {
     while (*hi >= *lo && mask[*hi] <= MASKED_BELOW) --*hi;
 }
 
-static void attend(State *st, Job *job, int slots, float *out, int threads) {
+static void attend(State *st, Job *job, int slots, float *out) {
     int lo, hi;
     live_span(job->mask, slots, &lo, &hi);
     const size_t width = (size_t)job->heads * job->head_dim;
@@ -384,37 +349,70 @@ static void attend(State *st, Job *job, int slots, float *out, int threads) {
         memset(out, 0, sizeof(float) * width);
         return;
     }
-    const int halves = threads > 1 && hi - lo >= 64 ? 2 : 1, mid = lo + (hi - lo + 1) / 2;
-    Part parts[2] = {{lo, halves == 2 ? mid - 1 : hi, 0, st->acc, st->max, st->sum},
-                     {mid, hi, mid - lo, st->acc + width, st->max + job->heads, st->sum + job->heads}};
-    if (halves == 2) {
-        st->job = *job;
-        st->part = parts[1];
-        const int gen = atomic_load(&st->generation) + 1;
-        pthread_mutex_lock(&st->lock);
-        atomic_store_explicit(&st->generation, gen, memory_order_release);
-        pthread_cond_signal(&st->wake);
-        pthread_mutex_unlock(&st->lock);
-        attend_part(job, &parts[0]);
-        while (atomic_load_explicit(&st->done, memory_order_acquire) != gen) sched_yield();
-    } else {
-        attend_part(job, &parts[0]);
+#if LITEKV_INT8_DOT
+    if (job->int8_dot) {
+        int8_dot_digits(job, &st->digits);
+        job->digits = &st->digits;
     }
-    merge(job, parts, halves, out);
+#endif
+    const int count = (hi - lo) / CHUNK_SLOTS + 1, numerator_stride = CHUNK_SLOTS + 2;
+    for (int i = 0; i < count; i++) {
+        const int first = i * CHUNK_SLOTS, last = lo + first + CHUNK_SLOTS - 1;
+        st->parts[i] = (Part){lo + first, last < hi ? last : hi, first, st->acc + i * width,
+                              st->max + (size_t)i * job->heads, st->sum + (size_t)i * job->heads,
+                              st->numerators ? st->numerators + (size_t)i * job->heads * numerator_stride : NULL,
+                              numerator_stride};
+    }
+    if (!st->helper_running) {
+        for (int i = 0; i < count; i++) attend_part(job, &st->parts[i]);
+    } else {
+        st->job = *job;
+        atomic_store_explicit(&st->completed, 0, memory_order_relaxed);
+        st->calls = (st->calls + 1) & 0xFFFFFF;
+        atomic_store_explicit(&st->ticket, st->calls << 40 | (uint64_t)count << 20, memory_order_release);
+        if (count > 1) { /* one chunk is not worth the helper's start-up */
+            pthread_mutex_lock(&st->lock);
+            atomic_fetch_add_explicit(&st->generation, 1, memory_order_release);
+            pthread_cond_signal(&st->wake);
+            pthread_mutex_unlock(&st->lock);
+        }
+        take_chunks(st);
+        while (atomic_load_explicit(&st->completed, memory_order_acquire) != count) sched_yield();
+    }
+    merge(job, st->parts, count, out);
 }
 
-static State *state_create(int heads, int head_dim, int max_slots, int threads) {
+static State *state_create(int heads, int head_dim, int max_slots, int threads, int int8_dot) {
     State *st = calloc(1, sizeof(State));
     if (!st) return NULL;
     const size_t width = (size_t)heads * head_dim;
+    st->max_slots = max_slots;
+    st->max_parts = (max_slots + CHUNK_SLOTS - 1) / CHUNK_SLOTS;
+#if LITEKV_INT8_DOT
+    st->int8_dot = int8_dot && litekv_cpu_has_int8_dot();
+#else
+    (void)int8_dot;
+#endif
+    const size_t parts = (size_t)st->max_parts;
     st->scores = malloc(sizeof(float) * (size_t)heads * (size_t)max_slots);
-    st->acc = malloc(sizeof(float) * 2 * width);
-    st->max = malloc(sizeof(float) * 4 * (size_t)heads);
-    if (!st->scores || !st->acc || !st->max) {
-        free(st->scores), free(st->acc), free(st->max), free(st);
+    st->acc = malloc(sizeof(float) * parts * width);
+    st->max = malloc(sizeof(float) * 2 * parts * (size_t)heads);
+    st->parts = malloc(sizeof(Part) * parts);
+    if (st->int8_dot) {
+        st->numerators = malloc(sizeof(int16_t) * parts * (size_t)heads * (CHUNK_SLOTS + 2));
+        st->digit_bytes = malloc(2 * width + (sizeof(int32_t) + sizeof(float)) * (size_t)heads);
+    }
+    if (!st->scores || !st->acc || !st->max || !st->parts || (st->int8_dot && (!st->numerators || !st->digit_bytes))) {
+        free(st->scores), free(st->acc), free(st->max), free(st->parts), free(st->numerators), free(st->digit_bytes);
+        free(st);
         return NULL;
     }
-    st->sum = st->max + 2 * heads;
+    st->sum = st->max + parts * heads;
+    if (st->int8_dot) {
+        int8_t *bytes = st->digit_bytes;
+        st->digits = (Digits){bytes, bytes + width, (int32_t *)(void *)(bytes + 2 * width),
+                              (float *)(void *)(bytes + 2 * width + sizeof(int32_t) * (size_t)heads)};
+    }
     pthread_mutex_init(&st->lock, NULL);
     pthread_cond_init(&st->wake, NULL);
     if (threads > 1 && pthread_create(&st->helper, NULL, helper_main, st) == 0) st->helper_running = 1;
@@ -431,7 +429,8 @@ static void state_destroy(State *st) {
     }
     pthread_mutex_destroy(&st->lock);
     pthread_cond_destroy(&st->wake);
-    free(st->scores), free(st->acc), free(st->max), free(st);
+    free(st->scores), free(st->acc), free(st->max), free(st->parts), free(st->numerators), free(st->digit_bytes);
+    free(st);
 }
 
 /* ---- LiteRT custom op callbacks ------------------------------------------------------------- */
@@ -441,7 +440,7 @@ static Status op_init(void *user_data, const void *init_data, size_t init_data_s
     (void)init_data_size;
     AttentionConfig *cfg = user_data;
     if (cfg->state) return STATUS_OK; /* one registration serves every node and entry point */
-    cfg->state = state_create(cfg->num_heads, cfg->head_dim, cfg->max_slots, cfg->threads);
+    cfg->state = state_create(cfg->num_heads, cfg->head_dim, cfg->max_slots, cfg->threads, cfg->int8_dot);
     return cfg->state ? STATUS_OK : STATUS_RUNTIME_FAILURE;
 }
 
@@ -461,17 +460,17 @@ static Status buffer(const AttentionConfig *cfg, void *handle, void **address, s
     return STATUS_OK;
 }
 
-/* Checks the sizes (nk, nv in cache elements) and fills the job; the scores go to `scores` with
- * `stride` columns per head. */
+/* Checks the sizes (nk, nv in cache elements) and fills the job; the scores go to the state's
+ * scratch, max_slots columns per head. */
 static Status make_job(Job *job, const float *q, size_t nq, const void *k, size_t nk, const void *v, size_t nv,
-                       int int8, const float *m, size_t slots, int head_dim, int max_heads, float *scores,
-                       int stride) {
-    if (head_dim <= 0 || slots == 0 || slots > (size_t)stride || nq % head_dim || nk != nv || nk % slots ||
+                       int int8, const float *m, size_t slots, int head_dim, int max_heads, const State *st) {
+    if (head_dim <= 0 || slots == 0 || slots > (size_t)st->max_slots || nq % head_dim || nk != nv || nk % slots ||
         (nk / slots) % head_dim || nq / head_dim > (size_t)max_heads)
         return STATUS_INVALID_ARGUMENT;
     const int heads = (int)(nq / head_dim), kv_heads = (int)(nk / slots / head_dim);
     if (heads == 0 || kv_heads == 0 || heads % kv_heads) return STATUS_INVALID_ARGUMENT;
-    *job = (Job){q, m, k, v, int8, heads, kv_heads, head_dim, kv_heads * head_dim, scores, stride};
+    *job = (Job){q, m, k, v, int8, int8 && st->int8_dot, heads, kv_heads, head_dim, kv_heads * head_dim, st->scores,
+                 st->max_slots};
     return STATUS_OK;
 }
 
@@ -488,10 +487,9 @@ static Status run(void *user_data, size_t num_inputs, void *const *inputs, size_
         return STATUS_RUNTIME_FAILURE;
     Job job;
     /* a decode mask holds one row of S slots */
-    if (nq != no || make_job(&job, q, nq, k, nk, v, nv, int8, m, nm, cfg->head_dim, cfg->num_heads, st->scores,
-                             cfg->max_slots))
+    if (nq != no || make_job(&job, q, nq, k, nk, v, nv, int8, m, nm, cfg->head_dim, cfg->num_heads, st))
         return STATUS_INVALID_ARGUMENT;
-    attend(st, &job, (int)nm, o, cfg->threads);
+    attend(st, &job, (int)nm, o);
     return STATUS_OK;
 }
 
@@ -523,6 +521,15 @@ void litekv_attention_kernel(Kernel *kernel, int int8) {
     kernel->destroy = (void *)op_destroy;
 }
 
+/* Whether int8 caches get integer dot products on this CPU (AttentionConfig.int8_dot). */
+int litekv_attention_int8_dot(void) {
+#if LITEKV_INT8_DOT
+    return litekv_cpu_has_int8_dot();
+#else
+    return 0;
+#endif
+}
+
 /* Stops the helper thread and frees the scratch; call after the compiled model is destroyed. */
 void litekv_attention_release(AttentionConfig *cfg) {
     if (cfg->state) state_destroy(cfg->state);
@@ -539,7 +546,7 @@ int litekv_attention_run(AttentionConfig *cfg, const float *query, const void *k
     Job job;
     State *st = cfg->state;
     Status status = make_job(&job, query, (size_t)heads * cfg->head_dim, keys, n, values, n, int8, mask,
-                             (size_t)slots, cfg->head_dim, cfg->num_heads, st->scores, cfg->max_slots);
-    if (status == STATUS_OK) attend(st, &job, slots, out, cfg->threads);
+                             (size_t)slots, cfg->head_dim, cfg->num_heads, st);
+    if (status == STATUS_OK) attend(st, &job, slots, out);
     return status;
 }

@@ -1,0 +1,112 @@
+/* What decode_attention.c and attention_int8_dot.c share: the job a call hands a thread, and the
+ * float helpers both forms of the arithmetic use. */
+#ifndef LITEKV_ATTENTION_COMMON_H
+#define LITEKV_ATTENTION_COMMON_H
+
+#include <stdint.h>
+#include <string.h>
+
+#define MASKED_BELOW (-1e30f)
+/* Helpers are inlined into the ISA-specific functions, so each gets its own vector code. */
+#define INLINE static inline __attribute__((always_inline))
+
+/* The query in two int8 digits per element, for the int8 dot-product path: head h's q ~ unit[h] *
+ * (128 * hi + lo), and offset[h] = 128 * (128 * sum(hi) + sum(lo)), what adding 128 to every key
+ * code adds to a dot product. */
+typedef struct {
+    int8_t *hi, *lo; /* [heads][D] */
+    int32_t *offset;
+    float *unit;
+} Digits;
+
+typedef struct {
+    const float *query, *mask;
+    const void *keys, *values;          /* float, or int8_t when `int8` */
+    int int8, int8_dot;                 /* int8_dot: integer dot products on the codes, if the CPU has them */
+    int heads, kv_heads, head_dim, row; /* row = KVH * D elements per cached slot */
+    float *scores;                      /* [heads][stride]: column i is slot lo + i */
+    int stride;
+    const Digits *digits;               /* int8_dot: the query's digits, made once per call */
+} Job;
+
+typedef struct {
+    int lo, hi, first; /* slots lo..hi; their scores start at column `first` */
+    float *acc;        /* [heads * D] weighted values, not yet divided by the sum */
+    float *max, *sum;  /* [heads] */
+    int16_t *numerators; /* [heads][numerator_stride]: softmax numerators * 32767 (int8_dot only) */
+    int numerator_stride;
+} Part;
+
+/* 16 floats; GCC and Clang lower it to one AVX-512 register, two AVX2 registers, or four SSE ones. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+INLINE v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+INLINE v16 max16(v16 a, v16 b) {
+    const i32x16 greater = a > b;
+    return (v16)((greater & (i32x16)a) | (~greater & (i32x16)b));
+}
+
+/* The largest of x[0..n-1] (n >= 1), 16 lanes at a time. */
+INLINE float max_of(const float *x, int n) {
+    float best = x[0];
+    int i = 0;
+    if (n >= 16) {
+        v16 m = load16(x);
+        for (i = 16; i + 16 <= n; i += 16) m = max16(m, load16(x + i));
+        for (int j = 0; j < 16; j++) best = m[j] > best ? m[j] : best;
+    }
+    for (; i < n; i++) best = x[i] > best ? x[i] : best;
+    return best;
+}
+
+/* e^x for x <= 0 (a score minus a maximum), 0 below -87: 2^n * 2^f with a degree-6 polynomial
+ * for 2^f, f in [-0.5, 0.5], relative error ~2e-7. Plain arithmetic, so loops over it vectorize. */
+INLINE float exp_nonpositive(float x) {
+    const float t = (x < -87.0f ? -87.0f : x) * 1.44269504f;
+    const float n = __builtin_floorf(t + 0.5f), f = t - n;
+    float p = 1.5403530e-4f;
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    union { uint32_t u; float f; } scale = {(uint32_t)((int32_t)n + 127) << 23};
+    return x < -87.0f ? 0.0f : p * scale.f;
+}
+
+/* Adds the mask to n scores and replaces them with e^(score - max); returns their sum, the max in
+ * *best. Masked slots need no special case: a score plus a mask <= -1e30 is far below the maximum
+ * (an unmasked slot: the live span ends in unmasked slots and each part has one), so e^ is 0. */
+INLINE float softmax_numerators(float *restrict scores, const float *restrict mask, int n, float *best) {
+    float total = 0.0f;
+    for (int i = 0; i < n; i++) scores[i] += mask[i];
+    const float top = max_of(scores, n); /* a local: through `best` the stores could change it */
+    for (int i = 0; i < n; i++) {
+        scores[i] = exp_nonpositive(scores[i] - top);
+        total += scores[i];
+    }
+    *best = top;
+    return total;
+}
+
+/* AVX-512 VNNI integer dot products for int8 caches with head_dim 64, 128, 192 or 256
+ * (attention_int8_dot.c), on x86-64 CPUs that have them: the part the float path would compute,
+ * with acc and sum in other units (their ratio is the same). */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define LITEKV_INT8_DOT 1
+int litekv_cpu_has_int8_dot(void);
+void int8_dot_digits(const Job *job, Digits *out);
+void attend_part_int8_dot(const Job *job, Part *part);
+#else
+#define LITEKV_INT8_DOT 0
+#endif
+
+#endif

@@ -1,0 +1,218 @@
+/* One-token attention over an int8 KV cache with AVX-512 VNNI integer dot products.
+ *
+ * The portable path (decode_attention.c) widens every code to a float and ends each 16 dot
+ * products in a shuffle tree, so it is bound by arithmetic, not by the cache bytes it reads. Here
+ * the codes are multiplied as integers:
+ * - Scores: the query (the key scales already folded in) is written in two int8 digits, q ~ (128 *
+ *   hi + lo) / s, about 14 bits. A block of 16 key rows is transposed to 4-byte columns, so lane r
+ *   of one vpdpbusd adds 4 dimensions of slot r times a broadcast word of digits: no tree. vpdpbusd
+ *   wants unsigned codes, so the keys go in as k + 128 and 128 * sum(digits) comes off the sum.
+ * - Weighted values: the softmax numerators are int16 (p * 32767), and two slots' value rows are
+ *   interleaved as int16 pairs, so one vpdpwssd adds both slots' share to 16 dimensions. The int32
+ *   sums are added into the float accumulator every FLUSH_PAIRS pairs, before they can overflow.
+ * head_dim must be a multiple of 64 (a row segment is one 64-byte line) and at most 256 (int32
+ * range of the scores). */
+#include "attention_common.h"
+
+#if LITEKV_INT8_DOT
+#include <immintrin.h>
+
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
+#define BLOCK 16
+#define AHEAD_SLOTS 32
+#define FLUSH_PAIRS 128 /* |pair sum| <= 2 * 32767 * 127: 256 pairs fit an int32 */
+#define VALUE_HEADS 4   /* query heads whose value sums stay in registers at once */
+#define SCORE_DIGIT 16256.0f /* 127 * 128: the largest |query| as a two-digit number */
+#define NUMERATOR_ONE 32767.0f
+
+int litekv_cpu_has_int8_dot(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vnni");
+}
+
+/* In place: r[j] lane i becomes r[i] lane j (16 x 16 int32). */
+TARGET static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    /* r[4i + b], 128-bit lane L: column 4L + b of rows 4i..4i+3 */
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int b = 0; b < 4; b++) {
+        t[4 * b] = _mm512_shuffle_i32x4(r[b], r[4 + b], 0x44);
+        t[4 * b + 1] = _mm512_shuffle_i32x4(r[b], r[4 + b], 0xEE);
+        t[4 * b + 2] = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0x44);
+        t[4 * b + 3] = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0xEE);
+    }
+    for (int b = 0; b < 4; b++) {
+        r[b] = _mm512_shuffle_i32x4(t[4 * b], t[4 * b + 2], 0x88);
+        r[4 + b] = _mm512_shuffle_i32x4(t[4 * b], t[4 * b + 2], 0xDD);
+        r[8 + b] = _mm512_shuffle_i32x4(t[4 * b + 1], t[4 * b + 3], 0x88);
+        r[12 + b] = _mm512_shuffle_i32x4(t[4 * b + 1], t[4 * b + 3], 0xDD);
+    }
+}
+
+/* One head's digits; returns 1/s, and *offset. */
+static float query_digits(const float *q, int d, int8_t *hi, int8_t *lo, int32_t *offset) {
+    float top = 0.0f;
+    for (int j = 0; j < d; j++) top = __builtin_fabsf(q[j]) > top ? __builtin_fabsf(q[j]) : top;
+    const float s = top > 0.0f ? SCORE_DIGIT / top : 0.0f;
+    int32_t sum_hi = 0, sum_lo = 0;
+    for (int j = 0; j < d; j++) {
+        const float x = q[j] * s, h = __builtin_roundf(x / 128.0f);
+        hi[j] = (int8_t)h;
+        lo[j] = (int8_t)__builtin_roundf(x - 128.0f * h);
+        sum_hi += hi[j], sum_lo += lo[j];
+    }
+    *offset = 128 * (128 * sum_hi + sum_lo);
+    return top > 0.0f ? 1.0f / s : 0.0f;
+}
+
+TARGET static inline int32_t word(const void *p) {
+    int32_t w;
+    memcpy(&w, p, sizeof w);
+    return w;
+}
+
+/* The scores of the 16 slots from s0 (the first `rows` of them stored) for the query heads of KV
+ * head kv, head_dim = 64 * chunks; chunks is a constant after inlining, so for one chunk the
+ * transposed keys stay in registers. */
+TARGET static inline __attribute__((always_inline)) void score_block(const Job *job, const Part *part, int s0,
+                                                                     int rows, int kv, const Digits *q, int chunks) {
+    const int d = job->head_dim, group = job->heads / job->kv_heads, row = job->row;
+    const int8_t *keys = (const int8_t *)job->keys + kv * d;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512i col[4][BLOCK];
+    for (int c = 0; c < chunks; c++) {
+#pragma GCC unroll 16
+        for (int r = 0; r < BLOCK; r++)
+            col[c][r] = _mm512_xor_si512(flip, _mm512_loadu_si512(keys + (size_t)(s0 + (r < rows ? r : 0)) * row + 64 * c));
+        transpose16(col[c]); /* col[c][j] lane r: dimensions 64c + 4j .. 64c + 4j + 3 of slot s0 + r, plus 128 */
+    }
+    const __mmask16 stored = (__mmask16)((1u << rows) - 1);
+    for (int g = 0; g < group; g++) {
+        const int h = kv * group + g;
+        const int8_t *hi = q->hi + (size_t)h * d, *lo = q->lo + (size_t)h * d;
+        __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+        for (int c = 0; c < chunks; c++)
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; j++) {
+                a = _mm512_dpbusd_epi32(a, col[c][j], _mm512_set1_epi32(word(hi + 64 * c + 4 * j)));
+                b = _mm512_dpbusd_epi32(b, col[c][j], _mm512_set1_epi32(word(lo + 64 * c + 4 * j)));
+            }
+        const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(a, 7), b),
+                                               _mm512_set1_epi32(q->offset[h]));
+        _mm512_mask_storeu_ps(job->scores + (size_t)h * job->stride + part->first + (s0 - part->lo), stored,
+                              _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(q->unit[h])));
+    }
+}
+
+/* The scores of slots part->lo..hi into job->scores, a block of 16 slots at a time. */
+TARGET static void scores(const Job *job, const Part *part, const Digits *q) {
+    const int row = job->row, n = part->hi - part->lo + 1;
+    for (int i0 = 0; i0 < n; i0 += BLOCK) {
+        const int rows = n - i0 < BLOCK ? n - i0 : BLOCK, s0 = part->lo + i0;
+        for (int r = 0; r < BLOCK; r++)
+            for (int b = 0; b < row; b += 64)
+                _mm_prefetch((const char *)job->keys + (size_t)(s0 + AHEAD_SLOTS + r) * row + b, _MM_HINT_T1);
+        for (int kv = 0; kv < job->kv_heads; kv++) switch (job->head_dim / 64) {
+            case 1: score_block(job, part, s0, rows, kv, q, 1); break;
+            case 2: score_block(job, part, s0, rows, kv, q, 2); break;
+            case 3: score_block(job, part, s0, rows, kv, q, 3); break;
+            default: score_block(job, part, s0, rows, kv, q, 4); break;
+            }
+    }
+}
+
+/* acc[h * D + c + dimension] += the int32 sums of heads h0..h0+gb-1, whose lane order is that of
+ * unpacking the two halves of a 64-dimension segment (see `values`). */
+TARGET static inline __attribute__((always_inline)) void flush(float *acc, int d, int h0, int gb, int c,
+                                                               __m512i sums[VALUE_HEADS][4]) {
+#pragma GCC unroll 16
+    for (int g = 0; g < gb; g++)
+#pragma GCC unroll 4
+        for (int m = 0; m < 4; m++) {
+            int32_t lane[16];
+            _mm512_storeu_si512(lane, sums[g][m]);
+            float *out = acc + (size_t)(h0 + g) * d + c + 32 * (m / 2) + 4 * (m % 2);
+            for (int i = 0; i < 16; i++) out[8 * (i / 4) + i % 4] += (float)lane[i];
+            sums[g][m] = _mm512_setzero_si512();
+        }
+}
+
+/* part->acc += numerators x values, for query heads h0..h0+gb-1 (one KV head) and dimensions
+ * c..c+63, two slots at a time. gb is a constant after inlining, so the sums stay in registers. */
+TARGET static inline __attribute__((always_inline)) void values(const Job *job, Part *part, int kv, int h0, int gb, int c) {
+    const int d = job->head_dim, row = job->row, n = part->hi - part->lo + 1;
+    const int8_t *base = (const int8_t *)job->values + (size_t)part->lo * row + kv * d + c;
+    __m512i sums[VALUE_HEADS][4];
+#pragma GCC unroll 16
+    for (int g = 0; g < VALUE_HEADS; g++)
+#pragma GCC unroll 4
+        for (int m = 0; m < 4; m++) sums[g][m] = _mm512_setzero_si512();
+    for (int i = 0; 2 * i < n; i++) {
+        const int8_t *a = base + (size_t)2 * i * row, *b = 2 * i + 1 < n ? a + row : a; /* b weighs 0 then */
+        _mm_prefetch((const char *)a + (size_t)AHEAD_SLOTS * row, _MM_HINT_T1);
+        _mm_prefetch((const char *)a + (size_t)(AHEAD_SLOTS + 1) * row, _MM_HINT_T1);
+        const __m512i a_lo = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void *)a));
+        const __m512i a_hi = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void *)(a + 32)));
+        const __m512i b_lo = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void *)b));
+        const __m512i b_hi = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void *)(b + 32)));
+        /* int32 lane = (slot a, slot b) of one dimension: 4L + t <- 8L + t (+ 4 for the unpackhi) */
+        const __m512i pair[4] = {_mm512_unpacklo_epi16(a_lo, b_lo), _mm512_unpackhi_epi16(a_lo, b_lo),
+                                 _mm512_unpacklo_epi16(a_hi, b_hi), _mm512_unpackhi_epi16(a_hi, b_hi)};
+#pragma GCC unroll 16
+        for (int g = 0; g < gb; g++) {
+            const __m512i weight = _mm512_set1_epi32(word(part->numerators + (size_t)(h0 + g) * part->numerator_stride + 2 * i));
+#pragma GCC unroll 4
+            for (int m = 0; m < 4; m++) sums[g][m] = _mm512_dpwssd_epi32(sums[g][m], pair[m], weight);
+        }
+        if (i % FLUSH_PAIRS == FLUSH_PAIRS - 1) flush(part->acc, d, h0, gb, c, sums);
+    }
+    flush(part->acc, d, h0, gb, c, sums);
+}
+
+void int8_dot_digits(const Job *job, Digits *out) {
+    const int d = job->head_dim;
+    for (int h = 0; h < job->heads; h++)
+        out->unit[h] = query_digits(job->query + (size_t)h * d, d, out->hi + (size_t)h * d, out->lo + (size_t)h * d,
+                                    out->offset + h);
+}
+
+TARGET void attend_part_int8_dot(const Job *job, Part *part) {
+    const int d = job->head_dim, heads = job->heads, group = heads / job->kv_heads, n = part->hi - part->lo + 1;
+    scores(job, part, job->digits);
+    for (int h = 0; h < heads; h++) {
+        float *sc = job->scores + (size_t)h * job->stride + part->first;
+        softmax_numerators(sc, job->mask + part->lo, n, &part->max[h]);
+        int16_t *numerators = part->numerators + (size_t)h * part->numerator_stride;
+        int64_t total = 0;
+        for (int i = 0; i < n; i++) {
+            numerators[i] = (int16_t)(int32_t)(sc[i] * NUMERATOR_ONE + 0.5f);
+            total += numerators[i];
+        }
+        numerators[n] = 0; /* the partner of an odd last slot */
+        part->sum[h] = (float)total;
+    }
+    memset(part->acc, 0, sizeof(float) * (size_t)heads * d);
+    for (int kv = 0; kv < job->kv_heads; kv++)
+        for (int c = 0; c < d; c += 64)
+            for (int g0 = 0; g0 < group; g0 += VALUE_HEADS) {
+                const int h0 = kv * group + g0;
+                switch (group - g0 < VALUE_HEADS ? group - g0 : VALUE_HEADS) {
+                case 1: values(job, part, kv, h0, 1, c); break;
+                case 2: values(job, part, kv, h0, 2, c); break;
+                case 3: values(job, part, kv, h0, 3, c); break;
+                default: values(job, part, kv, h0, 4, c); break;
+                }
+            }
+}
+
+#endif
