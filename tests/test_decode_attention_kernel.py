@@ -209,3 +209,22 @@ def test_manifest_versions(tmp_path):
         Manifest.from_json(json.dumps({**data, "version": 6}), "new")
     with pytest.raises(BundleError, match="unknown decode_attention 'gpu'; reconvert"):
         Manifest.from_json(json.dumps({**data, "decode_attention": "gpu"}), "odd")
+
+
+def test_two_threads_agree_with_one_over_many_calls_of_any_length():
+    """The caller and the helper hand chunks over through one ticket: calls of one chunk (the
+    helper is not woken) and of many alternate, as a decode step's layers and steps do, and a late
+    helper must never take a chunk of the next call. Every call must equal the one-thread result."""
+    rng = np.random.default_rng(7)
+    slots = 2048
+    q, k, v, _ = int8_case(9, 3, 64, slots, slots)
+    kernels = [native_attention.AttentionKernel(64, 9, slots, threads) for threads in (1, 2)]
+    try:
+        for live in rng.integers(1, slots + 1, 300):
+            m = np.full(slots, MASKED, np.float32)
+            m[:live] = 0.0
+            one, two = (kernel.run(q, k, v, m, 3) for kernel in kernels)
+            assert np.array_equal(one, two), f"{live} live slots"
+    finally:
+        for kernel in kernels:
+            kernel.release()
