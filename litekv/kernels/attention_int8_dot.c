@@ -60,7 +60,7 @@ TARGET static inline void transpose16(__m512i r[16]) {
 }
 
 /* One head's digits; returns 1/s, and *offset. */
-static float query_digits(const float *q, int d, int8_t *hi, int8_t *lo, int32_t *offset) {
+TARGET static float query_digits(const float *q, int d, int8_t *hi, int8_t *lo, int32_t *offset) {
     float top = 0.0f;
     for (int j = 0; j < d; j++) top = __builtin_fabsf(q[j]) > top ? __builtin_fabsf(q[j]) : top;
     const float s = top > 0.0f ? SCORE_DIGIT / top : 0.0f;
@@ -179,7 +179,7 @@ TARGET static inline __attribute__((always_inline)) void values(const Job *job, 
     flush(part->acc, d, h0, gb, c, sums);
 }
 
-void int8_dot_digits(const Job *job, Digits *out) {
+TARGET void int8_dot_digits(const Job *job, Digits *out) {
     const int d = job->head_dim;
     for (int h = 0; h < job->heads; h++)
         out->unit[h] = query_digits(job->query + (size_t)h * d, d, out->hi + (size_t)h * d, out->lo + (size_t)h * d,
