@@ -175,6 +175,10 @@ VARIANTS = {
 }
 
 
+# the graphs that call litekv's kernel: whether it may multiply int8 codes as integers
+KERNEL_GRAPHS = {litekv_kernel: True, litekv_kernel_int8: True, litekv_kernel_int8_widened: False}
+
+
 def build(path: Path, slots: int, graph) -> None:
     writer = TFLiteModelWriter()
     sg = writer.add_signature("run")
@@ -194,8 +198,8 @@ def time_litert(slots: int, graph, threads: int, repeats: int) -> float:
         path = Path(tmp) / "attention.tflite"
         build(path, slots, graph)
         kernels = ([native_attention.AttentionKernel(HEAD_DIM, HEADS, slots, threads, litert=litert_capi.library(),
-                                                     int8_dot=graph is not litekv_kernel_int8_widened)]
-                   if graph in (litekv_kernel, litekv_kernel_int8, litekv_kernel_int8_widened) else [])
+                                                     int8_dot=KERNEL_GRAPHS[graph])]
+                   if graph in KERNEL_GRAPHS else [])
         model = CompiledTFLiteModel(path, num_threads=threads, custom_ops=kernels)
         rng = np.random.default_rng(0)
         sig = model.signature("run")

@@ -39,7 +39,6 @@ typedef struct {
 
 /* 16 floats; GCC and Clang lower it to one AVX-512 register, two AVX2 registers, or four SSE ones. */
 typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 INLINE v16 load16(const float *p) {
@@ -97,9 +96,17 @@ INLINE float softmax_numerators(float *restrict scores, const float *restrict ma
     return total;
 }
 
-/* AVX-512 VNNI integer dot products for int8 caches with head_dim 64, 128, 192 or 256
- * (attention_int8_dot.c), on x86-64 CPUs that have them: the part the float path would compute,
- * with acc and sum in other units (their ratio is the same). */
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 32 /* slots ahead: software prefetch crosses the 4 KB pages hardware stops at */
+#endif
+#ifndef PREFETCH_LOCALITY
+#define PREFETCH_LOCALITY 2 /* into L2, which takes more misses in flight than L1 */
+#endif
+
+/* AVX-512 VNNI integer dot products for int8 caches (attention_int8_dot.c), on x86-64 CPUs that
+ * have them: the part the float path would compute, with acc and sum in other units (their ratio
+ * is the same). A head row is whole 64-byte lines, and int32 holds its scores up to 256. */
+INLINE int int8_dot_head_dim(int head_dim) { return head_dim % 64 == 0 && head_dim <= 256; }
 #if defined(__x86_64__) && defined(__GNUC__)
 #define LITEKV_INT8_DOT 1
 int litekv_cpu_has_int8_dot(void);

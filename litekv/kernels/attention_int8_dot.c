@@ -10,8 +10,8 @@
  * - Weighted values: the softmax numerators are int16 (p * 32767), and two slots' value rows are
  *   interleaved as int16 pairs, so one vpdpwssd adds both slots' share to 16 dimensions. The int32
  *   sums are added into the float accumulator every FLUSH_PAIRS pairs, before they can overflow.
- * head_dim must be a multiple of 64 (a row segment is one 64-byte line) and at most 256 (int32
- * range of the scores). */
+ * head_dim must pass int8_dot_head_dim: a multiple of 64 (a row segment is one 64-byte line) and
+ * at most 256 (int32 range of the scores). */
 #include "attention_common.h"
 
 #if LITEKV_INT8_DOT
@@ -19,7 +19,6 @@
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
 #define BLOCK 16
-#define AHEAD_SLOTS 32
 #define FLUSH_PAIRS 128 /* |pair sum| <= 2 * 32767 * 127: 256 pairs fit an int32 */
 #define VALUE_HEADS 4   /* query heads whose value sums stay in registers at once */
 #define SCORE_DIGIT 16256.0f /* 127 * 128: the largest |query| as a two-digit number */
@@ -121,7 +120,7 @@ TARGET static void scores(const Job *job, const Part *part, const Digits *q) {
         const int rows = n - i0 < BLOCK ? n - i0 : BLOCK, s0 = part->lo + i0;
         for (int r = 0; r < BLOCK; r++)
             for (int b = 0; b < row; b += 64)
-                _mm_prefetch((const char *)job->keys + (size_t)(s0 + AHEAD_SLOTS + r) * row + b, _MM_HINT_T1);
+                _mm_prefetch((const char *)job->keys + (size_t)(s0 + PREFETCH_ROWS + r) * row + b, _MM_HINT_T1);
         for (int kv = 0; kv < job->kv_heads; kv++) switch (job->head_dim / 64) {
             case 1: score_block(job, part, s0, rows, kv, q, 1); break;
             case 2: score_block(job, part, s0, rows, kv, q, 2); break;
@@ -159,8 +158,8 @@ TARGET static inline __attribute__((always_inline)) void values(const Job *job, 
         for (int m = 0; m < 4; m++) sums[g][m] = _mm512_setzero_si512();
     for (int i = 0; 2 * i < n; i++) {
         const int8_t *a = base + (size_t)2 * i * row, *b = 2 * i + 1 < n ? a + row : a; /* b weighs 0 then */
-        _mm_prefetch((const char *)a + (size_t)AHEAD_SLOTS * row, _MM_HINT_T1);
-        _mm_prefetch((const char *)a + (size_t)(AHEAD_SLOTS + 1) * row, _MM_HINT_T1);
+        _mm_prefetch((const char *)a + (size_t)PREFETCH_ROWS * row, _MM_HINT_T1);
+        _mm_prefetch((const char *)a + (size_t)(PREFETCH_ROWS + 1) * row, _MM_HINT_T1);
         const __m512i a_lo = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void *)a));
         const __m512i a_hi = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void *)(a + 32)));
         const __m512i b_lo = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void *)b));

@@ -35,12 +35,6 @@
 
 #include "attention_common.h"
 
-#ifndef PREFETCH_ROWS
-#define PREFETCH_ROWS 32 /* slots ahead: software prefetch crosses the 4 KB pages hardware stops at */
-#endif
-#ifndef PREFETCH_LOCALITY
-#define PREFETCH_LOCALITY 2 /* into L2, which takes more misses in flight than L1 */
-#endif
 #ifndef IDLE_SECONDS
 #define IDLE_SECONDS 0.002
 #endif
@@ -49,6 +43,7 @@
 #define CHUNK_SLOTS 256 /* 5-15 us of work: what the caller may wait for at the end; smaller chunks cost more
                            in restarting each pass over the rows */
 #endif
+#define NUMERATOR_STRIDE (CHUNK_SLOTS + 2) /* a chunk's numerators, a zero after an odd count, even */
 
 /* Built where it runs, but possibly for a wider family (a wheel): pick AVX-512 or AVX2 at load. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -85,7 +80,7 @@ typedef struct {
 typedef struct {
     float *scores;         /* [heads][max_slots] */
     float *acc, *max, *sum; /* [max_parts][heads * D], [max_parts][heads] x 2 */
-    int16_t *numerators;   /* [max_parts][heads][CHUNK_SLOTS + 2], for the int8 dot-product path */
+    int16_t *numerators;   /* [max_parts][heads][NUMERATOR_STRIDE], for the int8 dot-product path */
     int8_t *digit_bytes;   /* [2][heads * D] behind `digits` */
     Digits digits;
     Part *parts;           /* [max_parts] */
@@ -114,12 +109,6 @@ typedef struct {
  * and conversions, where converting vector-extension types went lane by lane. */
 INLINE void widen(float *restrict out, const int8_t *restrict in, size_t count) {
     for (size_t i = 0; i < count; i++) out[i] = (float)in[i];
-}
-
-INLINE float sum16(v16 a) {
-    v8 h = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-    return ((h[0] + h[4]) + (h[1] + h[5])) + ((h[2] + h[6]) + (h[3] + h[7]));
 }
 
 /* Lane r of the result is the sum of the 16 lanes of a[r]: a transpose-and-add tree, 45 vector
@@ -250,7 +239,7 @@ INLINE void part_any(const Job *job, Part *part) {
 
 VECTOR_CLONES static void attend_part(const Job *job, Part *part) {
 #if LITEKV_INT8_DOT
-    if (job->int8 && job->int8_dot && job->head_dim % 64 == 0 && job->head_dim <= 256) {
+    if (job->int8_dot) {
         attend_part_int8_dot(job, part);
         return;
     }
@@ -355,13 +344,13 @@ static void attend(State *st, Job *job, int slots, float *out) {
         job->digits = &st->digits;
     }
 #endif
-    const int count = (hi - lo) / CHUNK_SLOTS + 1, numerator_stride = CHUNK_SLOTS + 2;
+    const int count = (hi - lo) / CHUNK_SLOTS + 1;
     for (int i = 0; i < count; i++) {
         const int first = i * CHUNK_SLOTS, last = lo + first + CHUNK_SLOTS - 1;
         st->parts[i] = (Part){lo + first, last < hi ? last : hi, first, st->acc + i * width,
                               st->max + (size_t)i * job->heads, st->sum + (size_t)i * job->heads,
-                              st->numerators ? st->numerators + (size_t)i * job->heads * numerator_stride : NULL,
-                              numerator_stride};
+                              st->numerators ? st->numerators + (size_t)i * job->heads * NUMERATOR_STRIDE : NULL,
+                              NUMERATOR_STRIDE};
     }
     if (!st->helper_running) {
         for (int i = 0; i < count; i++) attend_part(job, &st->parts[i]);
@@ -389,7 +378,7 @@ static State *state_create(int heads, int head_dim, int max_slots, int threads, 
     st->max_slots = max_slots;
     st->max_parts = (max_slots + CHUNK_SLOTS - 1) / CHUNK_SLOTS;
 #if LITEKV_INT8_DOT
-    st->int8_dot = int8_dot && litekv_cpu_has_int8_dot();
+    st->int8_dot = int8_dot && int8_dot_head_dim(head_dim) && litekv_cpu_has_int8_dot();
 #else
     (void)int8_dot;
 #endif
@@ -399,7 +388,7 @@ static State *state_create(int heads, int head_dim, int max_slots, int threads, 
     st->max = malloc(sizeof(float) * 2 * parts * (size_t)heads);
     st->parts = malloc(sizeof(Part) * parts);
     if (st->int8_dot) {
-        st->numerators = malloc(sizeof(int16_t) * parts * (size_t)heads * (CHUNK_SLOTS + 2));
+        st->numerators = malloc(sizeof(int16_t) * parts * (size_t)heads * NUMERATOR_STRIDE);
         st->digit_bytes = malloc(2 * width + (sizeof(int32_t) + sizeof(float)) * (size_t)heads);
     }
     if (!st->scores || !st->acc || !st->max || !st->parts || (st->int8_dot && (!st->numerators || !st->digit_bytes))) {
