@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -62,6 +63,9 @@ def _load() -> ctypes.CDLL:
                     lib.litekv_attention_release.restype = None
                     lib.litekv_attention_int8_dot.argtypes = []
                     lib.litekv_attention_int8_dot.restype = ctypes.c_int
+                    lib.litekv_attention_stats.argtypes = [ctypes.POINTER(AttentionConfig),
+                                                           ctypes.POINTER(ctypes.c_uint64 * 4)]
+                    lib.litekv_attention_stats.restype = None
                     lib.litekv_attention_run.restype = ctypes.c_int
                     lib.litekv_attention_run.argtypes = [ctypes.POINTER(AttentionConfig), *[ctypes.c_void_p] * 5,
                                                          *[ctypes.c_int] * 4]
@@ -69,6 +73,25 @@ def _load() -> ctypes.CDLL:
     if _library is None:
         raise MissingDependency(_load_error)
     return _library
+
+
+@dataclass(frozen=True)
+class AttentionStats:
+    """What one registration of the kernel did since it was made (every layer's call counts)."""
+
+    calls: int
+    seconds: float       # wall time inside the calls, as the calling thread saw it
+    chunks: int          # pieces of CHUNK_SLOTS slots the calls were cut into
+    helper_chunks: int   # of those, the ones the helper thread computed (0 with one thread)
+
+    @property
+    def microseconds_per_call(self) -> float:
+        return 1e6 * self.seconds / self.calls if self.calls else 0.0
+
+    @property
+    def helper_share(self) -> float:
+        """The helper thread's share of the chunks: 0.5 when two threads split the work evenly."""
+        return self.helper_chunks / self.chunks if self.chunks else 0.0
 
 
 def available() -> bool:
@@ -134,6 +157,13 @@ class AttentionKernel:
         if status != 0:
             raise ValueError(f"decode attention rejected the shapes (status {status})")
         return out
+
+    def stats(self) -> AttentionStats:
+        """Counters since this registration was made; read them between model calls."""
+        counters = (ctypes.c_uint64 * 4)()
+        self._lib.litekv_attention_stats(ctypes.byref(self.config), ctypes.byref(counters))
+        calls, nanoseconds, chunks, helper_chunks = counters
+        return AttentionStats(calls, nanoseconds / 1e9, chunks, helper_chunks)
 
     def release(self) -> None:
         self._lib.litekv_attention_release(ctypes.byref(self.config))

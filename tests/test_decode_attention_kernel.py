@@ -1,6 +1,10 @@
 """litekv's decode-attention kernel: its arithmetic, and the LiteRT custom op that runs it."""
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -228,3 +232,43 @@ def test_two_threads_agree_with_one_over_many_calls_of_any_length():
     finally:
         for kernel in kernels:
             kernel.release()
+
+
+def test_stats_count_calls_chunks_and_the_helpers_share():
+    """The counters a profile reads: every call, its 256-slot chunks, and the chunks the helper
+    thread took (none with one thread; with two, all chunks are accounted for by the two)."""
+    slots = 2048
+    q, k, v, _ = int8_case(9, 3, 64, slots, slots)
+    for threads in (1, 2):
+        kernel = native_attention.AttentionKernel(64, 9, slots, threads)
+        try:
+            assert kernel.stats() == native_attention.AttentionStats(0, 0.0, 0, 0)
+            for live in (100, 2048, 700):
+                m = np.full(slots, MASKED, np.float32)
+                m[:live] = 0.0
+                kernel.run(q, k, v, m, 3)
+            stats = kernel.stats()
+            assert stats.calls == 3
+            assert stats.chunks == 1 + 8 + 3  # ceil(live / 256) per call
+            assert stats.seconds > 0 and stats.microseconds_per_call > 0
+            assert 0 <= stats.helper_chunks <= stats.chunks
+            if threads == 1:
+                assert stats.helper_chunks == 0 and stats.helper_share == 0.0
+        finally:
+            kernel.release()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names come from /proc")
+def test_the_helper_thread_is_named_for_profilers():
+    def names():
+        return [Path(f"/proc/self/task/{tid}/comm").read_text().strip() for tid in os.listdir("/proc/self/task")]
+
+    before = names().count("litekv-attn")
+    kernel = native_attention.AttentionKernel(64, 9, 64, 2)
+    try:
+        q, k, v, m = int8_case(9, 3, 64, 64, 64)
+        kernel.run(q, k, v, m, 3)  # the state, and its helper, are made on the first call
+        assert names().count("litekv-attn") == before + 1
+    finally:
+        kernel.release()
+    assert names().count("litekv-attn") == before

@@ -126,3 +126,38 @@ def test_split_buckets_match_the_reference_across_every_boundary(split_bucket_ex
     ex.prefill(prompt[3:-1], ours)
     ref.prefill(prompt[3:-1], theirs)
     assert relative_error(ex.step([int(prompt[-1])], ours), ref.step([int(prompt[-1])], theirs)) < 1e-4
+
+
+def test_attention_stats_count_every_layers_call(split_bucket_executor):
+    """The kernel's counters, as bench/attention_threads.py reads them: one call per layer and
+    decode step (prefill attends in builtin ops); a bundle without the kernel has none."""
+    arch, ex = split_bucket_executor
+    if ex.manifest.decode_attention != "kernel":
+        assert ex.attention_stats() is None
+        return
+    cache = ex.create_kv_cache()
+    ex.prefill(np.arange(3, 9), cache)
+    before = ex.attention_stats()
+    for token in (3, 4, 5):
+        ex.step([token], cache)
+    after = ex.attention_stats()
+    assert after.calls - before.calls == 3 * ex.config.num_layers
+    assert after.seconds > before.seconds
+
+
+def test_the_attention_kernel_takes_its_own_thread_count():
+    """attention_threads=1 beside XNNPACK's 2: calls of several 256-slot chunks, none for a helper."""
+    from litekv.bundle import read_manifest
+    from litekv.executor.litert_executor import LiteRTExecutor
+
+    options = ConvertOptions(backend="litert", max_context=512, prefill_lengths=(64,))
+    path = convert(checkpoint_dir("llama"), scratch_dir("litekv-attention-threads-") / "llama", options)
+    ex = LiteRTExecutor(path, read_manifest(path), threads=2, attention_threads=1)
+    cache = ex.create_kv_cache()
+    ex.prefill(np.arange(500) % 50 + 3, cache)
+    for token in (3, 4, 5):
+        ex.step([token], cache)
+    stats = ex.attention_stats()
+    assert stats.calls == 3 * ex.config.num_layers
+    assert stats.chunks == 2 * stats.calls  # 501-503 live slots: two chunks a call
+    assert stats.helper_chunks == 0

@@ -144,7 +144,10 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
     backend = "litert"
     kv_layout = "BSHD"
 
-    def __init__(self, bundle: str | Path, manifest: Manifest, accelerator: str = "cpu", threads: int | None = None):
+    def __init__(self, bundle: str | Path, manifest: Manifest, accelerator: str = "cpu", threads: int | None = None,
+                 attention_threads: int | None = None):
+        """threads: XNNPACK's pool (default 2); attention_threads: litekv's decode-attention kernel
+        (default: threads; it uses at most 2)."""
         super().__init__(manifest.config, manifest.max_context, manifest.prefill_lengths, manifest.lora_rank,
                          manifest.lora_targets)
         self.manifest = manifest
@@ -168,10 +171,12 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         order = ("gpu", "npu", "cpu") if accelerator == "auto" else (accelerator,)
         errors = []
         for kind in order:
+            kernels = self._custom_ops(bundle, manifest, attention_threads or threads or 2)
+            self._attention_kernel = kernels[0] if kernels else None
             try:
                 self.model = CompiledTFLiteModel(path, accelerator=kind, num_threads=threads or 2,
                                                  weight_cache_path=weight_cache if kind == "cpu" else None,
-                                                 custom_ops=self._custom_ops(bundle, manifest, threads or 2))
+                                                 custom_ops=kernels)
                 self.accelerator = kind
                 break
             except AcceleratorUnavailable as e:
@@ -207,6 +212,11 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         except MissingDependency as e:
             raise BundleError(f"{bundle}: its decode steps attend in litekv's attention kernel, and {e}. Or reconvert "
                               "the model with --decode-attention graph, which needs LiteRT's builtin ops only.") from e
+
+    def attention_stats(self) -> native_attention.AttentionStats | None:
+        """The decode-attention kernel's counters since the executor opened (calls, time inside
+        them, the helper thread's share), or None for a bundle that attends in builtin ops."""
+        return self._attention_kernel.stats() if self._attention_kernel is not None else None
 
     def create_kv_cache(self, batch_size: int = 1) -> KVCache:
         cfg = self.config

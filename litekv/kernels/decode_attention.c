@@ -22,6 +22,7 @@
  * the other core), so a fixed half for it would leave the caller waiting. Between calls the
  * helper polls, then sleeps.
  */
+#define _GNU_SOURCE /* pthread_setname_np */
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
@@ -100,7 +101,10 @@ typedef struct {
      * take a chunk of a later call. */
     _Alignas(64) _Atomic uint64_t ticket;
     _Alignas(64) atomic_int completed;
-    char padding[60];
+    /* Counters for litekv_attention_stats: the caller's, then the helper's on its own line. */
+    _Alignas(64) uint64_t stat_calls, stat_nanoseconds, stat_chunks;
+    _Alignas(64) _Atomic uint64_t stat_helper_chunks;
+    char padding[56];
 } State;
 
 /* ---- the arithmetic ------------------------------------------------------------------------- */
@@ -284,16 +288,18 @@ static double seconds(void) {
 
 #define TICKET_FIELD 0xFFFFFu
 
-/* Takes and computes chunks of the current call until none is left. */
-static void take_chunks(State *st) {
-    uint64_t t = atomic_load_explicit(&st->ticket, memory_order_acquire);
+/* Takes and computes chunks of the current call until none is left; returns how many it took. */
+static uint64_t take_chunks(State *st) {
+    uint64_t t = atomic_load_explicit(&st->ticket, memory_order_acquire), taken = 0;
     while ((t & TICKET_FIELD) < ((t >> 20) & TICKET_FIELD)) {
         if (atomic_compare_exchange_weak_explicit(&st->ticket, &t, t + 1, memory_order_acq_rel, memory_order_acquire)) {
             attend_part(&st->job, &st->parts[t & TICKET_FIELD]);
             atomic_fetch_add_explicit(&st->completed, 1, memory_order_release);
             t = atomic_load_explicit(&st->ticket, memory_order_acquire);
+            taken++;
         }
     }
+    return taken;
 }
 
 /* Between the attention ops of a step, other ops run for tens of microseconds, and waking a
@@ -317,7 +323,8 @@ static void *helper_main(void *arg) {
         }
         if (atomic_load(&st->stop)) return NULL;
         seen = atomic_load_explicit(&st->generation, memory_order_acquire);
-        take_chunks(st);
+        const uint64_t taken = take_chunks(st);
+        atomic_fetch_add_explicit(&st->stat_helper_chunks, taken, memory_order_relaxed);
     }
 }
 
@@ -330,7 +337,20 @@ static void live_span(const float *mask, int slots, int *lo, int *hi) {
     while (*hi >= *lo && mask[*hi] <= MASKED_BELOW) --*hi;
 }
 
+static void attend_timed(State *st, Job *job, int slots, float *out);
+
+/* One call, counted for litekv_attention_stats (a clock read costs tens of nanoseconds; a call
+ * microseconds). */
 static void attend(State *st, Job *job, int slots, float *out) {
+    struct timespec start, end;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    attend_timed(st, job, slots, out);
+    clock_gettime(CLOCK_MONOTONIC, &end);
+    st->stat_calls++;
+    st->stat_nanoseconds += (uint64_t)((end.tv_sec - start.tv_sec) * 1000000000LL + (end.tv_nsec - start.tv_nsec));
+}
+
+static void attend_timed(State *st, Job *job, int slots, float *out) {
     int lo, hi;
     live_span(job->mask, slots, &lo, &hi);
     const size_t width = (size_t)job->heads * job->head_dim;
@@ -345,6 +365,7 @@ static void attend(State *st, Job *job, int slots, float *out) {
     }
 #endif
     const int count = (hi - lo) / CHUNK_SLOTS + 1;
+    st->stat_chunks += (uint64_t)count;
     for (int i = 0; i < count; i++) {
         const int first = i * CHUNK_SLOTS, last = lo + first + CHUNK_SLOTS - 1;
         st->parts[i] = (Part){lo + first, last < hi ? last : hi, first, st->acc + i * width,
@@ -404,7 +425,12 @@ static State *state_create(int heads, int head_dim, int max_slots, int threads, 
     }
     pthread_mutex_init(&st->lock, NULL);
     pthread_cond_init(&st->wake, NULL);
-    if (threads > 1 && pthread_create(&st->helper, NULL, helper_main, st) == 0) st->helper_running = 1;
+    if (threads > 1 && pthread_create(&st->helper, NULL, helper_main, st) == 0) {
+        st->helper_running = 1;
+#ifdef __linux__
+        pthread_setname_np(st->helper, "litekv-attn"); /* what top, perf and /proc show for it */
+#endif
+    }
     return st;
 }
 
@@ -517,6 +543,17 @@ int litekv_attention_int8_dot(void) {
 #else
     return 0;
 #endif
+}
+
+/* Counters since the state was made: calls, nanoseconds inside them (the caller's wall time),
+ * chunks, and chunks the helper thread computed. All zero before the first call. Read them
+ * between calls: the caller's counters are not atomic. */
+void litekv_attention_stats(const AttentionConfig *cfg, uint64_t out[4]) {
+    const State *st = cfg->state;
+    out[0] = st ? st->stat_calls : 0;
+    out[1] = st ? st->stat_nanoseconds : 0;
+    out[2] = st ? st->stat_chunks : 0;
+    out[3] = st ? atomic_load_explicit(&((State *)st)->stat_helper_chunks, memory_order_relaxed) : 0;
 }
 
 /* Stops the helper thread and frees the scratch; call after the compiled model is destroyed. */
