@@ -337,20 +337,18 @@ static void live_span(const float *mask, int slots, int *lo, int *hi) {
     while (*hi >= *lo && mask[*hi] <= MASKED_BELOW) --*hi;
 }
 
-static void attend_timed(State *st, Job *job, int slots, float *out);
+static void compute(State *st, Job *job, int slots, float *out);
 
 /* One call, counted for litekv_attention_stats (a clock read costs tens of nanoseconds; a call
  * microseconds). */
 static void attend(State *st, Job *job, int slots, float *out) {
-    struct timespec start, end;
-    clock_gettime(CLOCK_MONOTONIC, &start);
-    attend_timed(st, job, slots, out);
-    clock_gettime(CLOCK_MONOTONIC, &end);
+    const double start = seconds();
+    compute(st, job, slots, out);
     st->stat_calls++;
-    st->stat_nanoseconds += (uint64_t)((end.tv_sec - start.tv_sec) * 1000000000LL + (end.tv_nsec - start.tv_nsec));
+    st->stat_nanoseconds += (uint64_t)(1e9 * (seconds() - start));
 }
 
-static void attend_timed(State *st, Job *job, int slots, float *out) {
+static void compute(State *st, Job *job, int slots, float *out) {
     int lo, hi;
     live_span(job->mask, slots, &lo, &hi);
     const size_t width = (size_t)job->heads * job->head_dim;
@@ -549,11 +547,11 @@ int litekv_attention_int8_dot(void) {
  * chunks, and chunks the helper thread computed. All zero before the first call. Read them
  * between calls: the caller's counters are not atomic. */
 void litekv_attention_stats(const AttentionConfig *cfg, uint64_t out[4]) {
-    const State *st = cfg->state;
+    State *st = cfg->state;
     out[0] = st ? st->stat_calls : 0;
     out[1] = st ? st->stat_nanoseconds : 0;
     out[2] = st ? st->stat_chunks : 0;
-    out[3] = st ? atomic_load_explicit(&((State *)st)->stat_helper_chunks, memory_order_relaxed) : 0;
+    out[3] = st ? atomic_load_explicit(&st->stat_helper_chunks, memory_order_relaxed) : 0;
 }
 
 /* Stops the helper thread and frees the scratch; call after the compiled model is destroyed. */
