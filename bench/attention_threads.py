@@ -19,6 +19,7 @@ import numpy as np
 from common import markdown_table, rewound_step_seconds, save, smollm2_bundle
 from litekv.bundle import read_manifest
 from litekv.executor.litert_executor import LiteRTExecutor
+from litekv.native_attention import AttentionStats
 
 CONFIGS = ((2, 2), (2, 1), (1, 2))  # (XNNPACK threads, attention-kernel threads)
 SHORT, LONG = 64, 2048
@@ -33,25 +34,23 @@ def measure(quantize: str, rounds: int, steps: int) -> list[dict]:
         cache = ex.create_kv_cache()
         ex.prefill(np.arange(LONG - 1) % 40000 + 100, cache)
         runs.append({"xnnpack": xnnpack, "attention": attention, "ex": ex, "cache": cache,
-                     SHORT: [], LONG: [], "calls": 0, "seconds": 0.0, "chunks": 0, "helper_chunks": 0})
+                     SHORT: [], LONG: [], "stats": AttentionStats(0, 0.0, 0, 0)})
     for _ in range(rounds):
         for run in runs:
             ex, cache = run["ex"], run["cache"]
             run[SHORT].append(1e3 * rewound_step_seconds(ex, cache, SHORT - 1, steps))
-            before = ex.attention_stats()
+            before = ex.attention_stats()  # the long steps' calls only
             run[LONG].append(1e3 * rewound_step_seconds(ex, cache, LONG - 1, steps, warmup=0))
-            after = ex.attention_stats()
-            for key in ("calls", "seconds", "chunks", "helper_chunks"):
-                run[key] += getattr(after, key) - getattr(before, key)
+            run["stats"] += ex.attention_stats() - before
     rows = []
     for run in runs:
-        layers = run["ex"].config.num_layers
+        layers, stats = run["ex"].config.num_layers, run["stats"]
         short, long = statistics.median(run[SHORT]), statistics.median(run[LONG])
-        per_call = 1e6 * run["seconds"] / run["calls"]
         rows.append({"quantize": quantize, "xnnpack_threads": run["xnnpack"], "attention_threads": run["attention"],
                      "step_ms_64": short, "step_ms_2048": long, "ratio": long / short,
-                     "attention_us_per_call_2048": per_call, "attention_ms_per_step_2048": per_call * layers / 1e3,
-                     "helper_share": run["helper_chunks"] / run["chunks"]})
+                     "attention_us_per_call_2048": stats.microseconds_per_call,
+                     "attention_ms_per_step_2048": stats.microseconds_per_call * layers / 1e3,
+                     "helper_share": stats.helper_share})
     return rows
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import threading
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import numpy as np
 
@@ -83,6 +83,13 @@ class AttentionStats:
     seconds: float       # wall time inside the calls, as the calling thread saw it
     chunks: int          # pieces of CHUNK_SLOTS slots the calls were cut into
     helper_chunks: int   # of those, the ones the helper thread computed (0 with one thread)
+
+    def __add__(self, other: AttentionStats) -> AttentionStats:
+        return AttentionStats(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+    def __sub__(self, other: AttentionStats) -> AttentionStats:
+        """The counts between two readings: `after - before`."""
+        return AttentionStats(*(a - b for a, b in zip(astuple(self), astuple(other))))
 
     @property
     def microseconds_per_call(self) -> float:
