@@ -127,6 +127,18 @@ def test_mask_values_are_added_to_the_scores():
     np.testing.assert_allclose(got, numpy_attention(q, k, v, m, 2, 16), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("int8_dot", [True, False], ids=["integer dot products", "codes widened to floats"])
+def test_the_int8_form_adds_soft_masks_and_skips_masked_holes(int8_dot):
+    """Biases and masked slots inside the live span (a block table's gaps) in every 16-slot block
+    and across chunks: the integer path adds the mask where it scores, and its maxima skip the holes."""
+    q, k, v, m = int8_case(9, 3, 64, 700, 661)
+    m[:661] = np.linspace(-4, 1, 661, dtype=np.float32)
+    m[5:600:7] = MASKED
+    got = native_attention.reference(q, k, v, m, 3, 64, threads=2, int8_dot=int8_dot)
+    expected = numpy_attention(q, k.astype(np.float64), v.astype(np.float64), m, 3, 64)
+    np.testing.assert_allclose(got, expected, atol=0.05 if int8_dot else 2e-3, rtol=1e-4)
+
+
 def test_shapes_that_do_not_group_are_refused():
     q, k, v, m = case(4, 3, 16, 32, 8)  # 4 query heads over 3 KV heads
     with pytest.raises(ValueError, match="rejected the shapes"):

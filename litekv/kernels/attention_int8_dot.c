@@ -80,11 +80,13 @@ TARGET static inline int32_t word(const void *p) {
     return w;
 }
 
-/* The scores of the 16 slots from s0 (the first `rows` of them stored) for the query heads of KV
- * head kv, head_dim = 64 * chunks; chunks is a constant after inlining, so for one chunk the
- * transposed keys stay in registers. */
+/* The scores of the 16 slots from s0 (the first `rows` of them stored), the mask added, for the query
+ * heads of KV head kv, head_dim = 64 * chunks; chunks is a constant after inlining, so for one chunk
+ * the transposed keys stay in registers. top[16 h + lane] keeps head h's largest score in that lane,
+ * so the softmax needs no pass of its own to find the maximum. */
 TARGET static inline __attribute__((always_inline)) void score_block(const Job *job, const Part *part, int s0,
-                                                                     int rows, int kv, const Digits *q, int chunks) {
+                                                                     int rows, int kv, const Digits *q, int chunks,
+                                                                     float *top) {
     const int d = job->head_dim, group = job->heads / job->kv_heads, row = job->row;
     const int8_t *keys = (const int8_t *)job->keys + kv * d;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
@@ -108,13 +110,17 @@ TARGET static inline __attribute__((always_inline)) void score_block(const Job *
             }
         const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(a, 7), b),
                                                _mm512_set1_epi32(q->offset[h]));
-        _mm512_mask_storeu_ps(job->scores + (size_t)h * job->stride + part->first + (s0 - part->lo), stored,
-                              _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(q->unit[h])));
+        const __m512 score = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(q->unit[h]),
+                                             _mm512_maskz_loadu_ps(stored, job->mask + s0));
+        _mm512_mask_storeu_ps(job->scores + (size_t)h * job->stride + part->first + (s0 - part->lo), stored, score);
+        const __m512 best = _mm512_loadu_ps(top + 16 * h);
+        _mm512_storeu_ps(top + 16 * h, _mm512_mask_max_ps(best, stored, best, score));
     }
 }
 
-/* The scores of slots part->lo..hi into job->scores, a block of 16 slots at a time. */
-TARGET static void scores(const Job *job, const Part *part, const Digits *q) {
+/* The masked scores of slots part->lo..hi into job->scores, a block of 16 slots at a time, and
+ * their lane maxima into top. */
+TARGET static void scores(const Job *job, const Part *part, const Digits *q, float *top) {
     const int row = job->row, n = part->hi - part->lo + 1;
     for (int i0 = 0; i0 < n; i0 += BLOCK) {
         const int rows = n - i0 < BLOCK ? n - i0 : BLOCK, s0 = part->lo + i0;
@@ -122,10 +128,10 @@ TARGET static void scores(const Job *job, const Part *part, const Digits *q) {
             for (int b = 0; b < row; b += 64)
                 _mm_prefetch((const char *)job->keys + (size_t)(s0 + PREFETCH_ROWS + r) * row + b, _MM_HINT_T1);
         for (int kv = 0; kv < job->kv_heads; kv++) switch (job->head_dim / 64) {
-            case 1: score_block(job, part, s0, rows, kv, q, 1); break;
-            case 2: score_block(job, part, s0, rows, kv, q, 2); break;
-            case 3: score_block(job, part, s0, rows, kv, q, 3); break;
-            default: score_block(job, part, s0, rows, kv, q, 4); break;
+            case 1: score_block(job, part, s0, rows, kv, q, 1, top); break;
+            case 2: score_block(job, part, s0, rows, kv, q, 2, top); break;
+            case 3: score_block(job, part, s0, rows, kv, q, 3, top); break;
+            default: score_block(job, part, s0, rows, kv, q, 4, top); break;
             }
     }
 }
@@ -156,26 +162,32 @@ TARGET static inline __attribute__((always_inline)) void values(const Job *job, 
     for (int g = 0; g < VALUE_HEADS; g++)
 #pragma GCC unroll 4
         for (int m = 0; m < 4; m++) sums[g][m] = _mm512_setzero_si512();
-    for (int i = 0; 2 * i < n; i++) {
-        const int8_t *a = base + (size_t)2 * i * row, *b = 2 * i + 1 < n ? a + row : a; /* b weighs 0 then */
-        _mm_prefetch((const char *)a + (size_t)PREFETCH_ROWS * row, _MM_HINT_T1);
-        _mm_prefetch((const char *)a + (size_t)(PREFETCH_ROWS + 1) * row, _MM_HINT_T1);
-        const __m512i a_lo = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void *)a));
-        const __m512i a_hi = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void *)(a + 32)));
-        const __m512i b_lo = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void *)b));
-        const __m512i b_hi = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void *)(b + 32)));
-        /* int32 lane = (slot a, slot b) of one dimension: 4L + t <- 8L + t (+ 4 for the unpackhi) */
-        const __m512i pair[4] = {_mm512_unpacklo_epi16(a_lo, b_lo), _mm512_unpackhi_epi16(a_lo, b_lo),
-                                 _mm512_unpacklo_epi16(a_hi, b_hi), _mm512_unpackhi_epi16(a_hi, b_hi)};
+    /* FLUSH_PAIRS pairs per pass, then a flush: no test for it inside the loop, whose sums stay in
+     * registers */
+    const int pairs = (n + 1) / 2;
+    for (int i0 = 0; i0 < pairs; i0 += FLUSH_PAIRS) {
+        const int end = pairs - i0 < FLUSH_PAIRS ? pairs : i0 + FLUSH_PAIRS;
+        for (int i = i0; i < end; i++) {
+            const int8_t *a = base + (size_t)2 * i * row, *b = 2 * i + 1 < n ? a + row : a; /* b weighs 0 then */
+            _mm_prefetch((const char *)a + (size_t)PREFETCH_ROWS * row, _MM_HINT_T1);
+            _mm_prefetch((const char *)a + (size_t)(PREFETCH_ROWS + 1) * row, _MM_HINT_T1);
+            const __m512i a_lo = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void *)a));
+            const __m512i a_hi = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void *)(a + 32)));
+            const __m512i b_lo = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void *)b));
+            const __m512i b_hi = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void *)(b + 32)));
+            /* int32 lane = (slot a, slot b) of one dimension: 4L + t <- 8L + t (+ 4 for the unpackhi) */
+            const __m512i pair[4] = {_mm512_unpacklo_epi16(a_lo, b_lo), _mm512_unpackhi_epi16(a_lo, b_lo),
+                                     _mm512_unpacklo_epi16(a_hi, b_hi), _mm512_unpackhi_epi16(a_hi, b_hi)};
 #pragma GCC unroll 16
-        for (int g = 0; g < gb; g++) {
-            const __m512i weight = _mm512_set1_epi32(word(part->numerators + (size_t)(h0 + g) * part->numerator_stride + 2 * i));
+            for (int g = 0; g < gb; g++) {
+                const __m512i weight =
+                    _mm512_set1_epi32(word(part->numerators + (size_t)(h0 + g) * part->numerator_stride + 2 * i));
 #pragma GCC unroll 4
-            for (int m = 0; m < 4; m++) sums[g][m] = _mm512_dpwssd_epi32(sums[g][m], pair[m], weight);
+                for (int m = 0; m < 4; m++) sums[g][m] = _mm512_dpwssd_epi32(sums[g][m], pair[m], weight);
+            }
         }
-        if (i % FLUSH_PAIRS == FLUSH_PAIRS - 1) flush(part->acc, d, h0, gb, c, sums);
+        flush(part->acc, d, h0, gb, c, sums);
     }
-    flush(part->acc, d, h0, gb, c, sums);
 }
 
 TARGET void int8_dot_digits(const Job *job, Digits *out) {
@@ -187,17 +199,20 @@ TARGET void int8_dot_digits(const Job *job, Digits *out) {
 
 TARGET void attend_part_int8_dot(const Job *job, Part *part) {
     const int d = job->head_dim, heads = job->heads, group = heads / job->kv_heads, n = part->hi - part->lo + 1;
-    scores(job, part, job->digits);
+    float tops[16 * heads]; /* per head, the largest of its masked scores so far in each lane */
+    for (int i = 0; i < 16 * heads; i++) tops[i] = MASKED_BELOW * 2.0f;
+    scores(job, part, job->digits, tops);
     for (int h = 0; h < heads; h++) {
-        float *sc = job->scores + (size_t)h * job->stride + part->first;
-        softmax_numerators(sc, job->mask + part->lo, n, &part->max[h]);
+        const float *sc = job->scores + (size_t)h * job->stride + part->first;
+        const float top = _mm512_reduce_max_ps(_mm512_loadu_ps(tops + 16 * h));
         int16_t *numerators = part->numerators + (size_t)h * part->numerator_stride;
-        int64_t total = 0;
+        int32_t total = 0; /* <= 32767 * CHUNK_SLOTS */
         for (int i = 0; i < n; i++) {
-            numerators[i] = (int16_t)(int32_t)(sc[i] * NUMERATOR_ONE + 0.5f);
+            numerators[i] = (int16_t)(int32_t)(exp_nonpositive(sc[i] - top) * NUMERATOR_ONE + 0.5f);
             total += numerators[i];
         }
         numerators[n] = 0; /* the partner of an odd last slot */
+        part->max[h] = top;
         part->sum[h] = (float)total;
     }
     memset(part->acc, 0, sizeof(float) * (size_t)heads * d);
