@@ -4,8 +4,9 @@ well its two threads share it, with XNNPACK's pool and litekv's attention kernel
 For each LiteRT bundle with an int8 KV cache, one process opens an executor per configuration
 (XNNPACK threads, attention-kernel threads) and times rewound decode steps at 64 and 2,048 live
 tokens, the configurations taking turns over several rounds. The kernel's own counters
-(`LiteRTExecutor.attention_stats`) give the time inside its calls and the helper thread's share of
-the 256-slot chunks, so the step time splits into attention and the rest.
+(`LiteRTExecutor.attention_stats`) give the time inside its calls, the helper thread's share of the
+256-slot chunks and how long after the caller's offer it joins a call, so the step time splits into
+attention and the rest.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/attention_threads.py [--quantize int4 int8]
 """
@@ -50,7 +51,7 @@ def measure(quantize: str, rounds: int, steps: int) -> list[dict]:
                      "step_ms_64": short, "step_ms_2048": long, "ratio": long / short,
                      "attention_us_per_call_2048": stats.microseconds_per_call,
                      "attention_ms_per_step_2048": stats.microseconds_per_call * layers / 1e3,
-                     "helper_share": stats.helper_share})
+                     "helper_share": stats.helper_share, "helper_start_us": stats.helper_start_microseconds})
     return rows
 
 
@@ -63,10 +64,11 @@ def main() -> None:
     rows = [row for q in args.quantize for row in measure(q, args.rounds, args.steps)]
     print(markdown_table(
         ["weights", "XNNPACK threads", "attention threads", "step at 64, ms", "step at 2,048, ms", "2,048 / 64",
-         "attention per layer at 2,048, µs", "attention per step, ms", "helper's chunks"],
+         "attention per layer at 2,048, µs", "attention per step, ms", "helper's chunks", "helper joins after, µs"],
         [[r["quantize"], r["xnnpack_threads"], r["attention_threads"], f"{r['step_ms_64']:.2f}",
           f"{r['step_ms_2048']:.2f}", f"{r['ratio']:.2f}", f"{r['attention_us_per_call_2048']:.1f}",
-          f"{r['attention_ms_per_step_2048']:.2f}", f"{100 * r['helper_share']:.0f} %"] for r in rows]))
+          f"{r['attention_ms_per_step_2048']:.2f}", f"{100 * r['helper_share']:.0f} %",
+          f"{r['helper_start_us']:.1f}" if r["attention_threads"] > 1 else "–"] for r in rows]))
     save("attention_threads", {"rounds": args.rounds, "steps": args.steps, "rows": rows})
 
 

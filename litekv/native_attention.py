@@ -64,7 +64,7 @@ def _load() -> ctypes.CDLL:
                     lib.litekv_attention_int8_dot.argtypes = []
                     lib.litekv_attention_int8_dot.restype = ctypes.c_int
                     lib.litekv_attention_stats.argtypes = [ctypes.POINTER(AttentionConfig),
-                                                           ctypes.POINTER(ctypes.c_uint64 * 4)]
+                                                           ctypes.POINTER(ctypes.c_uint64 * 6)]
                     lib.litekv_attention_stats.restype = None
                     lib.litekv_attention_run.restype = ctypes.c_int
                     lib.litekv_attention_run.argtypes = [ctypes.POINTER(AttentionConfig), *[ctypes.c_void_p] * 5,
@@ -83,6 +83,8 @@ class AttentionStats:
     seconds: float       # wall time inside the calls, as the calling thread saw it
     chunks: int          # pieces of CHUNK_SLOTS slots the calls were cut into
     helper_chunks: int   # of those, the ones the helper thread computed (0 with one thread)
+    helper_joins: int = 0  # calls the helper took a chunk of
+    helper_delay_seconds: float = 0.0  # from the caller's offer to the helper's start, summed over those
 
     def __add__(self, other: AttentionStats) -> AttentionStats:
         return AttentionStats(*(a + b for a, b in zip(astuple(self), astuple(other))))
@@ -94,6 +96,12 @@ class AttentionStats:
     @property
     def microseconds_per_call(self) -> float:
         return 1e6 * self.seconds / self.calls if self.calls else 0.0
+
+    @property
+    def helper_start_microseconds(self) -> float:
+        """How late the helper thread joins a call, on average: what the other core was busy with
+        first (beside XNNPACK's pool, its worker's spin after its last task)."""
+        return 1e6 * self.helper_delay_seconds / self.helper_joins if self.helper_joins else 0.0
 
     @property
     def helper_share(self) -> float:
@@ -167,10 +175,10 @@ class AttentionKernel:
 
     def stats(self) -> AttentionStats:
         """Counters since this registration was made; read them between model calls."""
-        counters = (ctypes.c_uint64 * 4)()
+        counters = (ctypes.c_uint64 * 6)()
         self._lib.litekv_attention_stats(ctypes.byref(self.config), ctypes.byref(counters))
-        calls, nanoseconds, chunks, helper_chunks = counters
-        return AttentionStats(calls, nanoseconds / 1e9, chunks, helper_chunks)
+        calls, nanoseconds, chunks, helper_chunks, joins, delay_nanoseconds = counters
+        return AttentionStats(calls, nanoseconds / 1e9, chunks, helper_chunks, joins, delay_nanoseconds / 1e9)
 
     def release(self) -> None:
         self._lib.litekv_attention_release(ctypes.byref(self.config))

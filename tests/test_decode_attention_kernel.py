@@ -247,14 +247,15 @@ def test_two_threads_agree_with_one_over_many_calls_of_any_length():
 
 
 def test_stats_count_calls_chunks_and_the_helpers_share():
-    """The counters a profile reads: every call, its 256-slot chunks, and the chunks the helper
-    thread took (none with one thread; with two, all chunks are accounted for by the two)."""
+    """The counters a profile reads: every call, its 256-slot chunks, the chunks the helper
+    thread took (none with one thread; with two, all chunks are accounted for by the two), and the
+    calls it joined with how late."""
     slots = 2048
     q, k, v, _ = int8_case(9, 3, 64, slots, slots)
     for threads in (1, 2):
         kernel = native_attention.AttentionKernel(64, 9, slots, threads)
         try:
-            assert kernel.stats() == native_attention.AttentionStats(0, 0.0, 0, 0)
+            assert kernel.stats() == native_attention.AttentionStats(0, 0.0, 0, 0, 0, 0.0)
             for live in (100, 2048, 700):
                 m = np.full(slots, MASKED, np.float32)
                 m[:live] = 0.0
@@ -266,6 +267,10 @@ def test_stats_count_calls_chunks_and_the_helpers_share():
             assert 0 <= stats.helper_chunks <= stats.chunks
             if threads == 1:
                 assert stats.helper_chunks == 0 and stats.helper_share == 0.0
+                assert stats.helper_joins == 0 and stats.helper_start_microseconds == 0.0
+            else:  # only calls of several chunks are offered to the helper; its counters are in when a call returns
+                assert stats.helper_joins <= 2 and (stats.helper_joins > 0) == (stats.helper_chunks > 0)
+                assert stats.helper_delay_seconds >= 0.0
         finally:
             kernel.release()
 

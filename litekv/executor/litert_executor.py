@@ -215,7 +215,8 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
 
     def attention_stats(self) -> native_attention.AttentionStats | None:
         """The decode-attention kernel's counters since the executor opened (calls, time inside
-        them, the helper thread's share), or None for a bundle that attends in builtin ops."""
+        them, the helper thread's share and start delay), or None for a bundle that attends in
+        builtin ops."""
         return self._attention_kernel.stats() if self._attention_kernel is not None else None
 
     def create_kv_cache(self, batch_size: int = 1) -> KVCache:

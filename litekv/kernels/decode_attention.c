@@ -18,9 +18,9 @@
  * The unmasked span of slots is cut in chunks of CHUNK_SLOTS; each chunk's scores, softmax
  * numerators and weighted values are computed on their own and merged with their maxima (as in
  * split-K "flash decoding"). With two threads, the caller and a helper thread take chunks until
- * none is left: the helper starts 10-20 us after it is signalled here (XNNPACK's idle worker holds
- * the other core), so a fixed half for it would leave the caller waiting. Between calls the
- * helper polls, then sleeps.
+ * none is left: the helper starts 15-25 us after it is signalled here (XNNPACK's worker spins on the
+ * other core for that long after its last task, however the graph ends before this op), so a fixed
+ * half for it would leave the caller waiting. Between calls the helper polls, then sleeps.
  */
 #define _GNU_SOURCE /* pthread_setname_np */
 #include <math.h>
@@ -96,6 +96,7 @@ typedef struct {
     /* What the threads write while the other reads: each on its own cache line, away from the job
      * (a shared line would bounce between the cores on every access to the job's fields). */
     _Alignas(64) atomic_int generation;
+    _Atomic double signalled; /* seconds() when the caller offered the latest call's chunks */
     /* the chunks on offer: call number << 40 | chunk count << 20 | next chunk. A thread takes a
      * chunk by advancing `next` with a compare-and-swap, so a thread holding an old value can never
      * take a chunk of a later call. */
@@ -103,7 +104,7 @@ typedef struct {
     _Alignas(64) atomic_int completed;
     /* Counters for litekv_attention_stats: the caller's, then the helper's on its own line. */
     _Alignas(64) uint64_t stat_calls, stat_nanoseconds, stat_chunks;
-    _Alignas(64) _Atomic uint64_t stat_helper_chunks;
+    _Alignas(64) _Atomic uint64_t stat_helper_chunks, stat_helper_joins, stat_helper_delay_nanoseconds;
     char padding[56];
 } State;
 
@@ -288,11 +289,21 @@ static double seconds(void) {
 
 #define TICKET_FIELD 0xFFFFFu
 
-/* Takes and computes chunks of the current call until none is left; returns how many it took. */
-static uint64_t take_chunks(State *st) {
+/* Takes and computes chunks of the current call until none is left; returns how many it took.
+ * The helper counts its chunks, and the call as joined `delay` seconds after the offer, before it
+ * reports each chunk complete: when the caller returns, the counters include the whole call. */
+static uint64_t take_chunks(State *st, bool helper, double delay) {
     uint64_t t = atomic_load_explicit(&st->ticket, memory_order_acquire), taken = 0;
     while ((t & TICKET_FIELD) < ((t >> 20) & TICKET_FIELD)) {
         if (atomic_compare_exchange_weak_explicit(&st->ticket, &t, t + 1, memory_order_acq_rel, memory_order_acquire)) {
+            if (helper) {
+                if (!taken) {
+                    atomic_fetch_add_explicit(&st->stat_helper_joins, 1, memory_order_relaxed);
+                    atomic_fetch_add_explicit(&st->stat_helper_delay_nanoseconds, (uint64_t)(1e9 * delay),
+                                              memory_order_relaxed);
+                }
+                atomic_fetch_add_explicit(&st->stat_helper_chunks, 1, memory_order_relaxed);
+            }
             attend_part(&st->job, &st->parts[t & TICKET_FIELD]);
             atomic_fetch_add_explicit(&st->completed, 1, memory_order_release);
             t = atomic_load_explicit(&st->ticket, memory_order_acquire);
@@ -323,8 +334,7 @@ static void *helper_main(void *arg) {
         }
         if (atomic_load(&st->stop)) return NULL;
         seen = atomic_load_explicit(&st->generation, memory_order_acquire);
-        const uint64_t taken = take_chunks(st);
-        atomic_fetch_add_explicit(&st->stat_helper_chunks, taken, memory_order_relaxed);
+        take_chunks(st, true, seconds() - atomic_load_explicit(&st->signalled, memory_order_relaxed));
     }
 }
 
@@ -380,11 +390,12 @@ static void compute(State *st, Job *job, int slots, float *out) {
         atomic_store_explicit(&st->ticket, st->calls << 40 | (uint64_t)count << 20, memory_order_release);
         if (count > 1) { /* one chunk is not worth the helper's start-up */
             pthread_mutex_lock(&st->lock);
+            atomic_store_explicit(&st->signalled, seconds(), memory_order_relaxed); /* before generation */
             atomic_fetch_add_explicit(&st->generation, 1, memory_order_release);
             pthread_cond_signal(&st->wake);
             pthread_mutex_unlock(&st->lock);
         }
-        take_chunks(st);
+        take_chunks(st, false, 0.0);
         while (atomic_load_explicit(&st->completed, memory_order_acquire) != count) sched_yield();
     }
     merge(job, st->parts, count, out);
@@ -544,14 +555,17 @@ int litekv_attention_int8_dot(void) {
 }
 
 /* Counters since the state was made: calls, nanoseconds inside them (the caller's wall time),
- * chunks, and chunks the helper thread computed. All zero before the first call. Read them
- * between calls: the caller's counters are not atomic. */
-void litekv_attention_stats(const AttentionConfig *cfg, uint64_t out[4]) {
+ * chunks, chunks the helper thread computed, calls it joined, and the nanoseconds from the
+ * caller's offer to the helper's start summed over those calls. All zero before the first call.
+ * Read them between calls: the caller's counters are not atomic. */
+void litekv_attention_stats(const AttentionConfig *cfg, uint64_t out[6]) {
     State *st = cfg->state;
     out[0] = st ? st->stat_calls : 0;
     out[1] = st ? st->stat_nanoseconds : 0;
     out[2] = st ? st->stat_chunks : 0;
     out[3] = st ? atomic_load_explicit(&st->stat_helper_chunks, memory_order_relaxed) : 0;
+    out[4] = st ? atomic_load_explicit(&st->stat_helper_joins, memory_order_relaxed) : 0;
+    out[5] = st ? atomic_load_explicit(&st->stat_helper_delay_nanoseconds, memory_order_relaxed) : 0;
 }
 
 /* Stops the helper thread and frees the scratch; call after the compiled model is destroyed. */
