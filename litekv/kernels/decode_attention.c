@@ -110,6 +110,49 @@ typedef struct {
 
 /* ---- the arithmetic ------------------------------------------------------------------------- */
 
+/* 16 floats; GCC and Clang lower it to one AVX-512 register, two AVX2 registers, or four SSE ones. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+INLINE v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+INLINE v16 max16(v16 a, v16 b) {
+    const i32x16 greater = a > b;
+    return (v16)((greater & (i32x16)a) | (~greater & (i32x16)b));
+}
+
+/* The largest of x[0..n-1] (n >= 1), 16 lanes at a time. */
+INLINE float max_of(const float *x, int n) {
+    float best = x[0];
+    int i = 0;
+    if (n >= 16) {
+        v16 m = load16(x);
+        for (i = 16; i + 16 <= n; i += 16) m = max16(m, load16(x + i));
+        for (int j = 0; j < 16; j++) best = m[j] > best ? m[j] : best;
+    }
+    for (; i < n; i++) best = x[i] > best ? x[i] : best;
+    return best;
+}
+
+/* Adds the mask to n scores and replaces them with e^(score - max); returns their sum, the max in
+ * *best. Masked slots need no special case: a score plus a mask <= -1e30 is far below the maximum
+ * (an unmasked slot: the live span ends in unmasked slots and each part has one), so e^ is 0. */
+INLINE float softmax_numerators(float *restrict scores, const float *restrict mask, int n, float *best) {
+    float total = 0.0f;
+    for (int i = 0; i < n; i++) scores[i] += mask[i];
+    const float top = max_of(scores, n); /* a local: through `best` the stores could change it */
+    for (int i = 0; i < n; i++) {
+        scores[i] = exp_nonpositive(scores[i] - top);
+        total += scores[i];
+    }
+    *best = top;
+    return total;
+}
+
 /* int8 codes as floats: a plain loop, which the vectorizer turns into widening loads (vpmovsxbd)
  * and conversions, where converting vector-extension types went lane by lane. */
 INLINE void widen(float *restrict out, const int8_t *restrict in, size_t count) {
