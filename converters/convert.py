@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from litekv.bundle import (BACKENDS, DECODE_ATTENTION, KV_CACHE_FORMATS, MANIFEST, SAMPLER_SIGNATURE, Manifest,
+from litekv.bundle import (ATTENTION_KINDS, BACKENDS, KV_CACHE_FORMATS, MANIFEST, SAMPLER_SIGNATURE, Manifest,
                            SignatureInfo, write_atomic)
 from litekv.errors import ConfigError, LitekvError
 from litekv.models.config import ModelConfig
@@ -49,6 +49,9 @@ class ConvertOptions:
     # LiteRT one-token attention: "kernel" (litekv's custom op; the runtime needs litekv's compiled kernel)
     # or "graph" (builtin ops only, for any LiteRT runtime). None: "kernel" for LiteRT.
     decode_attention: str | None = None
+    # LiteRT prefill-chunk attention, the same choice. With the kernel a chunk reads only the slots its
+    # rows see, so prefill needs no capacity buckets: one entry point per chunk length.
+    prefill_attention: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -80,13 +83,14 @@ class ConvertOptions:
                                   f"got {b}.")
         if self.kv_cache not in KV_CACHE_FORMATS:
             raise ConfigError(f"unknown KV cache format {self.kv_cache!r}; choose one of {', '.join(KV_CACHE_FORMATS)}.")
-        if self.decode_attention is not None:
-            if self.decode_attention not in DECODE_ATTENTION:
-                raise ConfigError(f"unknown decode attention {self.decode_attention!r}; choose one of "
-                                  f"{', '.join(DECODE_ATTENTION)}.")
+        for flag, kind in (("decode", self.decode_attention), ("prefill", self.prefill_attention)):
+            if kind is None:
+                continue
+            if kind not in ATTENTION_KINDS:
+                raise ConfigError(f"unknown {flag} attention {kind!r}; choose one of {', '.join(ATTENTION_KINDS)}.")
             if self.backend == "onnx":
-                raise ConfigError("--decode-attention is a LiteRT option: ONNX Runtime's GroupQueryAttention "
-                                  "attends in the graph. Drop --decode-attention.")
+                raise ConfigError(f"--{flag}-attention is a LiteRT option: ONNX Runtime's GroupQueryAttention "
+                                  f"attends in the graph. Drop --{flag}-attention.")
         QuantPlan.named(self.quantize, self.lm_head, self.embedding)  # validates the head/table choices
 
     @property
@@ -101,6 +105,13 @@ class ConvertOptions:
         return self.decode_attention or "kernel"
 
     @property
+    def prefill_attention_kind(self) -> str:
+        """What the manifest records for prefill chunks: "kernel" by default on LiteRT."""
+        if self.backend == "onnx":
+            return "graph"
+        return self.prefill_attention or "kernel"
+
+    @property
     def lora(self) -> LoraSpec | None:
         return None if self.lora_rank is None else LoraSpec(self.lora_rank, tuple(self.lora_targets))
 
@@ -109,10 +120,20 @@ class ConvertOptions:
         return tuple(sorted({*self.prefill_buckets(), *self.one_token_buckets()}))
 
     def prefill_buckets(self) -> tuple[int, ...]:
+        """Capacities of the prefill entry points. The attention kernel reads only the slots a chunk's
+        rows see (a 256-token chunk at the start of a 4,096-slot cache reads its causal triangle), so
+        by default a kernel bundle prefills at max context alone: 4 entry points instead of 19 for
+        SmolLM2, about 90 MB less memory (LiteRT's copy of each entry point's graph and XNNPACK's
+        objects for it) and a load in 0.7 s rather than 1.7 s."""
         if self.backend == "onnx":  # GroupQueryAttention reads only the valid length
             return (self.max_context,)
         if self.kv_buckets is not None:
             return self.kv_buckets
+        if self.prefill_attention_kind == "kernel":
+            return (self.max_context,)
+        return self._doubling_buckets()
+
+    def _doubling_buckets(self) -> tuple[int, ...]:
         out, size = [], SMALLEST_BUCKET
         while size < self.max_context:
             out.append(size)
@@ -133,11 +154,11 @@ class ConvertOptions:
             return (self.max_context,)
         if self.decode_buckets is not None:
             return self.decode_buckets
-        coarse = self.prefill_buckets()
         if self.kv_buckets is not None:
-            return coarse
+            return self.kv_buckets
         if self.attention_kind == "kernel":
             return (self.max_context,)
+        coarse = self._doubling_buckets()
         finer = set(coarse) | {SMALLEST_BUCKET // 2}
         finer |= {a + (b - a) // 2 for a, b in zip(coarse, coarse[1:]) if b == 2 * a}
         return tuple(sorted(b for b in finer if b <= self.max_context))
@@ -241,7 +262,8 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         tick = bar.stage("tracing signatures")
         writer, groups = emit_tflite(cfg, ckpt.weights, plan, sigs, options.lora, options.max_context,
                              progress=lambda name, n=iter(range(1, len(sigs) + 1)): tick(next(n), len(sigs), name),
-                             decode_attention=options.attention_kind, kv_scales=kv_scales)
+                             decode_attention=options.attention_kind,
+                             prefill_attention=options.prefill_attention_kind, kv_scales=kv_scales)
         writer.write(staging / "model.tflite")
         bar.stage("writing model.tflite")(1, 1, f"{writer.data_bytes / 1e6:.0f} MB of weights")
         infos = tuple(SignatureInfo(s.name, "sampler" if s.sampler else ("decode" if s.tokens == 1 and s.logits
@@ -289,6 +311,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         bos_token_id=tok.bos_token_id, eos_token_ids=tuple(tok.eos_token_ids), sampler_file=sampler_file,
         lora_groups={name: [list(parts), list(targets)] for name, (parts, targets) in groups.items()},
         lora_layout=lora_layout, decode_attention=options.attention_kind,
+        prefill_attention=options.prefill_attention_kind,
     )
 
 
@@ -317,9 +340,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-sampler", action="store_true", help="omit the in-graph sampling entry points")
     parser.add_argument("--kv-cache", choices=KV_CACHE_FORMATS, default="fp32",
                         help="KV cache precision; int8 reads a quarter of the bytes per step")
-    parser.add_argument("--decode-attention", choices=DECODE_ATTENTION,
+    parser.add_argument("--decode-attention", choices=ATTENTION_KINDS,
                         help="LiteRT one-token attention: kernel (default; litekv's compiled custom op, which "
                         "reads the cache once) or graph (builtin ops only, for a runtime without litekv)")
+    parser.add_argument("--prefill-attention", choices=ATTENTION_KINDS,
+                        help="LiteRT prefill-chunk attention: kernel (default; litekv's custom op, which reads only "
+                        "the slots a chunk sees, so one entry point per chunk length serves every context) or graph "
+                        "(builtin ops, one entry point per chunk length and capacity)")
 
 
 def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
@@ -338,6 +365,7 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
         kv_buckets=_ints(args.kv_buckets, "--kv-buckets"),
         decode_buckets=_ints(args.decode_buckets, "--decode-buckets"), lm_head=args.lm_head, embedding=args.embedding,
         sampler=not args.no_sampler, kv_cache=args.kv_cache, decode_attention=args.decode_attention,
+        prefill_attention=args.prefill_attention,
     )
 
 

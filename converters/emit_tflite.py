@@ -25,6 +25,8 @@ from litekv.models.base import architecture
 from litekv.models.config import ModelConfig, RopeConfig
 from litekv.native_attention import OP_NAME as DECODE_ATTENTION_OP
 from litekv.native_attention import OP_NAME_INT8 as DECODE_ATTENTION_INT8_OP
+from litekv.native_attention import PREFILL_OP_NAME as PREFILL_ATTENTION_OP
+from litekv.native_attention import PREFILL_OP_NAME_INT8 as PREFILL_ATTENTION_INT8_OP
 
 from .graph_ops import GraphOps, LoraSpec, Signature, Sym, rope_tables
 from .quantize import QuantPlan, int8_per_channel
@@ -88,10 +90,11 @@ def rotate_half_matrix(dim: int) -> np.ndarray:
 class TFLiteOps(GraphOps):
     def __init__(self, cfg: ModelConfig, store: TFLiteWeights, sg: SubgraphBuilder, sig: Signature,
                  lora: LoraSpec | None, tables, decode_attention: str = "kernel",
-                 kv_scales: tuple[np.ndarray, np.ndarray] | None = None):
+                 kv_scales: tuple[np.ndarray, np.ndarray] | None = None, prefill_attention: str = "kernel"):
         super().__init__(cfg, store.weights, store.plan, sig, lora, tables, store.quant_cache)
         self.store = store
         self.decode_attention = decode_attention  # "kernel": litekv's custom op; "graph": builtin ops
+        self.prefill_attention = prefill_attention  # the same, for chunks of more than one token
         self.kv_scales = kv_scales  # (keys, values) [layers, KVH, D]: an int8 cache; None: float32
         self.sg = sg
         self._count = 0
@@ -274,7 +277,7 @@ class TFLiteOps(GraphOps):
             self.kv_outputs[name] = updated
             caches.append(updated)
         mask = self.local_mask if window is not None else self.mask
-        if t == 1 and self.decode_attention == "kernel":
+        if (self.decode_attention if t == 1 else self.prefill_attention) == "kernel":
             return self._kernel_attention(q, caches, mask, scale, layer)
         if self.kv_scales is not None:  # builtin attention reads floats: a pass over the cache
             caches = [self.binary("mul", self.to_float(c), self._kv_scale(kind, layer))
@@ -315,18 +318,21 @@ class TFLiteOps(GraphOps):
         return self._op("CAST", [codes], x.shape, "int8")
 
     def _kernel_attention(self, q: Sym, caches: list[Sym], mask: Sym, scale: float, layer: int) -> Sym:
-        """One query token in litekv's decode-attention kernel (litekv.native_attention), a custom
-        op that reads each cached row once, where XNNPACK's batch matmuls repack the cache.
+        """The signature's tokens in litekv's attention kernels (litekv.native_attention), custom ops
+        that read only the live cached rows, in place, where XNNPACK's batch matmuls repack the
+        whole capacity: the decode op for one token, the prefill op for a chunk.
 
         With an int8 cache the kernel reads the codes: q . (code_k * s_k) = (q * s_k) . code_k, and
         sum p * code_v * s_v = s_v * sum p * code_v, so the query and the output carry the scales."""
-        width = self.cfg.num_heads * self.cfg.head_dim
-        q = self.reshape(q, (1, 1, width))
+        t, width = self.sig.tokens, self.cfg.num_heads * self.cfg.head_dim
+        q = self.reshape(q, (1, t, width))
+        ops = (DECODE_ATTENTION_OP, DECODE_ATTENTION_INT8_OP) if t == 1 else (PREFILL_ATTENTION_OP,
+                                                                             PREFILL_ATTENTION_INT8_OP)
         if self.kv_scales is None:
-            q, op = self.binary("mul", q, self.const(np.float32(scale))), DECODE_ATTENTION_OP
+            q, op = self.binary("mul", q, self.const(np.float32(scale))), ops[0]
         else:
-            q, op = self.binary("mul", q, self._kv_scale("k", layer, True, scale)), DECODE_ATTENTION_INT8_OP
-        out = self._new((1, 1, width))
+            q, op = self.binary("mul", q, self._kv_scale("k", layer, True, scale)), ops[1]
+        out = self._new((1, t, width))
         self.sg.custom_op(op, [q.ref, caches[0].ref, caches[1].ref, mask.ref], [out.ref])
         return out if self.kv_scales is None else self.binary("mul", out, self._kv_scale("v", layer, True))
 
@@ -372,10 +378,12 @@ class TFLiteOps(GraphOps):
 def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan,
                 signatures: Sequence[Signature], lora: LoraSpec | None, max_context: int,
                 progress: Callable[[str], None] | None = None, decode_attention: str = "kernel",
-                kv_scales: tuple[np.ndarray, np.ndarray] | None = None) -> TFLiteModelWriter:
+                kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
+                prefill_attention: str = "kernel") -> TFLiteModelWriter:
     """Trace every signature of the architecture into one TFLite model (not yet written).
 
-    decode_attention: "kernel" runs one-token attention in litekv's custom op, "graph" in builtin ops.
+    decode_attention: "kernel" runs one-token attention in litekv's custom op, "graph" in builtin ops;
+    prefill_attention the same for prefill chunks.
     kv_scales: (keys, values) [layers, KVH, D] static scales of an int8 KV cache; None: float32."""
     weights = dict(weights)
     weights.setdefault("lm_head.weight", weights["embed.weight"])
@@ -385,7 +393,8 @@ def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: Quant
     forward = architecture(cfg.architecture).forward
     groups = {}
     for sig in signatures:
-        ops = TFLiteOps(cfg, store, writer.add_signature(sig.name), sig, lora, tables, decode_attention, kv_scales)
+        ops = TFLiteOps(cfg, store, writer.add_signature(sig.name), sig, lora, tables, decode_attention, kv_scales,
+                        prefill_attention)
         if sig.sampler:
             ops.sampler()
         else:

@@ -20,9 +20,11 @@ FORMAT = "litekv-bundle"
 # 2: TFLite KV cache tensors are [1,S,KVH*D]; 3: one TFLite sampler entry point fed with logits;
 # 4: `decode_attention` (TFLite one-token attention may be litekv's custom op). Version 3 reads as "graph".
 # 5: a TFLite bundle may hold an int8 KV cache (`kv_dtype`), read by the kernel's int8 form.
-VERSION = 5
-READABLE_VERSIONS = (3, 4, 5)
-DECODE_ATTENTION = ("kernel", "graph")
+# 6: `prefill_attention` (TFLite prefill chunks may attend in litekv's custom op, at one capacity).
+# Versions before 6 read as "graph".
+VERSION = 6
+READABLE_VERSIONS = (3, 4, 5, 6)
+ATTENTION_KINDS = ("kernel", "graph")
 SAMPLER_SIGNATURE = "sampler"
 # The sampler graph's scalar inputs, each of shape [1], in order: (name, dtype).
 SAMPLER_INPUTS = (("temperature", "float32"), ("top_k", "int32"), ("top_p", "float32"), ("seed", "int32"))
@@ -70,8 +72,14 @@ class Manifest:
     # inputs lora_a_<layer>_<name> / lora_b_<layer>_<name> in `lora_layout` ("out_in" or "in_out").
     lora_groups: dict[str, list[list[str]]] = field(default_factory=dict)
     lora_layout: str = "out_in"
-    # TFLite one-token attention: "kernel" (litekv.native_attention's custom op) or "graph" (builtin ops)
+    # TFLite attention of one-token steps and of prefill chunks: "kernel" (litekv.native_attention's
+    # custom ops) or "graph" (builtin ops)
     decode_attention: str = "graph"
+    prefill_attention: str = "graph"
+
+    @property
+    def uses_attention_kernel(self) -> bool:
+        return "kernel" in (self.decode_attention, self.prefill_attention)
 
     def signature(self, name: str) -> SignatureInfo:
         for sig in self.signatures:
@@ -106,8 +114,9 @@ class Manifest:
             manifest = cls(**data)
         except (KeyError, TypeError) as e:
             raise BundleError(f"{where}: the manifest is incomplete ({e}); reconvert the model.") from e
-        if manifest.decode_attention not in DECODE_ATTENTION:
-            raise BundleError(f"{where}: unknown decode_attention {manifest.decode_attention!r}; reconvert the model.")
+        for key in ("decode_attention", "prefill_attention"):
+            if getattr(manifest, key) not in ATTENTION_KINDS:
+                raise BundleError(f"{where}: unknown {key} {getattr(manifest, key)!r}; reconvert the model.")
         return manifest
 
 

@@ -113,5 +113,6 @@ def prepared_bundle(name: str = DEFAULT_MODEL, backend: str = "litert", quantize
         print(f"litekv: preparing {name} as a {backend} {quantize} bundle (first use only)...", file=sys.stderr)
         path.parent.mkdir(parents=True, exist_ok=True)
         convert(source, path, ConvertOptions(backend=backend, quantize=quantize, max_context=max_context,
-                                             decode_attention=attention), show_progress=True)
+                                             decode_attention=attention, prefill_attention=attention),
+                show_progress=True)
     return path

@@ -1,10 +1,11 @@
-"""litekv's decode-attention kernel (litekv/kernels/decode_attention.c) as a LiteRT custom op.
+"""litekv's attention kernels (litekv/kernels/) as LiteRT custom ops: one query token against the
+cache for decode steps (decode_attention.c), a chunk of tokens for prefill (prefill_attention.c).
 
-The kernel is compiled when litekv is installed (a C compiler is needed) into the shared library
-`litekv._decode_attention`, loaded here with ctypes. Bundles whose decode entry points use it say
-so in their manifest (`decode_attention: "kernel"`); without the library they cannot run, and
-`--decode-attention graph` converts a bundle that needs nothing beyond LiteRT's builtin ops.
-Bundles with an int8 KV cache use the kernel's int8 form, OP_NAME_INT8.
+The kernels are compiled when litekv is installed (a C compiler is needed) into the shared library
+`litekv._decode_attention`, loaded here with ctypes. Bundles whose entry points use them say so in
+their manifest (`decode_attention` / `prefill_attention: "kernel"`); without the library they
+cannot run, and `--decode-attention graph --prefill-attention graph` converts a bundle that needs
+nothing beyond LiteRT's builtin ops. Bundles with an int8 KV cache use the ops' int8 forms.
 """
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ from litekv.errors import MissingDependency
 
 OP_NAME = "litekv.decode_attention"
 OP_NAME_INT8 = "litekv.decode_attention_int8"  # int8 keys and values: the codes of a statically scaled cache
+PREFILL_OP_NAME = "litekv.prefill_attention"
+PREFILL_OP_NAME_INT8 = "litekv.prefill_attention_int8"
+# op name -> (int8 form, prefill)
+_FORMS = {OP_NAME: (False, False), OP_NAME_INT8: (True, False), PREFILL_OP_NAME: (False, True),
+          PREFILL_OP_NAME_INT8: (True, True)}
 OP_VERSION = 1
 _MODULE = "litekv._decode_attention"
 
@@ -57,7 +63,8 @@ def _load() -> ctypes.CDLL:
                 except OSError as e:
                     _load_error = f"cannot load {spec.origin}: {e}; reinstall litekv"
                 else:
-                    lib.litekv_attention_kernel.argtypes = [ctypes.POINTER(CustomOpKernel), ctypes.c_int]
+                    lib.litekv_attention_kernel.argtypes = [ctypes.POINTER(CustomOpKernel), ctypes.c_int,
+                                                            ctypes.c_int]
                     lib.litekv_attention_kernel.restype = None
                     lib.litekv_attention_release.argtypes = [ctypes.POINTER(AttentionConfig)]
                     lib.litekv_attention_release.restype = None
@@ -69,6 +76,8 @@ def _load() -> ctypes.CDLL:
                     lib.litekv_attention_run.restype = ctypes.c_int
                     lib.litekv_attention_run.argtypes = [ctypes.POINTER(AttentionConfig), *[ctypes.c_void_p] * 5,
                                                          *[ctypes.c_int] * 4]
+                    lib.litekv_prefill_attention_run.restype = ctypes.c_int
+                    lib.litekv_prefill_attention_run.argtypes = lib.litekv_attention_run.argtypes
                     _library = lib
     if _library is None:
         raise MissingDependency(_load_error)
@@ -136,10 +145,10 @@ class AttentionKernel:
                  int8_dot: bool = True):
         lib = _load()
         self._lib = lib
-        # One config (scratch, helper thread) serves both forms: a model uses one of them.
-        self.kernels = {OP_NAME: CustomOpKernel(), OP_NAME_INT8: CustomOpKernel()}
+        # One config (scratch, helper thread) serves every op: a model uses the float or the int8 pair.
+        self.kernels = {name: CustomOpKernel() for name in _FORMS}
         for name, kernel in self.kernels.items():
-            lib.litekv_attention_kernel(ctypes.byref(kernel), int(name == OP_NAME_INT8))
+            lib.litekv_attention_kernel(ctypes.byref(kernel), *map(int, _FORMS[name]))
         entry = (lambda name: ctypes.cast(getattr(litert, name), ctypes.c_void_p)) if litert else (lambda name: None)
         self.config = AttentionConfig(
             host_memory=entry("LiteRtGetTensorBufferHostMemory"), buffer_size=entry("LiteRtGetTensorBufferSize"),
@@ -147,7 +156,7 @@ class AttentionKernel:
             int8_dot=int(int8_dot))
 
     def register(self, litert: ctypes.CDLL, options: int) -> int:
-        """LiteRtAddCustomOpKernelOption on `options` for both forms; returns the first failing LiteRtStatus, or 0."""
+        """LiteRtAddCustomOpKernelOption on `options` for every op; returns the first failing LiteRtStatus, or 0."""
         for name, kernel in self.kernels.items():
             status = litert.LiteRtAddCustomOpKernelOption(options, name.encode(), OP_VERSION, ctypes.byref(kernel),
                                                           ctypes.byref(self.config))
@@ -171,6 +180,29 @@ class AttentionKernel:
                                                 query.size // self.config.head_dim, num_kv_heads, mask.size, int(int8))
         if status != 0:
             raise ValueError(f"decode attention rejected the shapes (status {status})")
+        return out
+
+    def run_prefill(self, query: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray,
+                    num_kv_heads: int) -> np.ndarray:
+        """The prefill op on host arrays: query [T, H*D], keys/values [S, KVH*D] (float32, or int8
+        codes), mask [T, S] float32 -> [T, H*D]."""
+        int8 = np.asarray(keys).dtype == np.int8
+        if int8 != (np.asarray(values).dtype == np.int8):
+            raise ValueError("keys and values must both be int8 codes or both float32")
+        kv_dtype = np.int8 if int8 else np.float32
+        query, mask = (np.ascontiguousarray(a, np.float32) for a in (query, mask))
+        keys, values = (np.ascontiguousarray(a, kv_dtype) for a in (keys, values))
+        tokens, slots = mask.shape
+        width = num_kv_heads * self.config.head_dim
+        if keys.shape != (slots, width) or values.shape != (slots, width) or query.ndim != 2 or len(query) != tokens:
+            raise ValueError(f"prefill attention rejected the shapes: query {query.shape}, keys {keys.shape}, values "
+                             f"{values.shape}, mask {mask.shape} (want [T, H*D], [S, KVH*D] twice, [T, S])")
+        out = np.empty_like(query)
+        pointers = (a.ctypes.data for a in (query, keys, values, mask, out))
+        status = self._lib.litekv_prefill_attention_run(ctypes.byref(self.config), *pointers, tokens, num_kv_heads,
+                                                        slots, int(int8))
+        if status != 0:
+            raise ValueError(f"prefill attention rejected the shapes (status {status})")
         return out
 
     def stats(self) -> AttentionStats:

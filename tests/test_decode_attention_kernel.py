@@ -205,13 +205,14 @@ def test_a_model_that_needs_the_kernel_is_refused_without_it(monkeypatch):
     assert manifest.decode_attention == "kernel"
     monkeypatch.setattr(native_attention, "_library", None)
     monkeypatch.setattr(native_attention, "_load_error", "not built here")
-    with pytest.raises(BundleError, match="not built here. Or reconvert the model with --decode-attention graph"):
+    with pytest.raises(BundleError, match="not built here. Or reconvert the model with --decode-attention graph "
+                       "--prefill-attention graph"):
         LiteRTExecutor(path, manifest)
 
 
 def test_manifest_versions(tmp_path):
-    """Version 3 bundles (before the kernel) read as builtin-op attention; unknown versions and kinds
-    are refused with what to do."""
+    """Version 3 bundles (before the kernel) read as builtin-op attention, version 5 bundles (before the
+    prefill kernel) as builtin-op prefill; unknown versions and kinds are refused with what to do."""
     import json
 
     from conformance import bundle
@@ -220,11 +221,18 @@ def test_manifest_versions(tmp_path):
     data = json.loads((bundle("llama", "litert") / "litekv.json").read_text())
     old = {**data, "version": 3}
     old.pop("decode_attention")
+    old.pop("prefill_attention")
     assert Manifest.from_json(json.dumps(old), "old").decode_attention == "graph"
-    with pytest.raises(BundleError, match="version 6 is not supported.*reads versions 3, 4, 5"):
-        Manifest.from_json(json.dumps({**data, "version": 6}), "new")
-    with pytest.raises(BundleError, match="unknown decode_attention 'gpu'; reconvert"):
-        Manifest.from_json(json.dumps({**data, "decode_attention": "gpu"}), "odd")
+    five = {**data, "version": 5}
+    five.pop("prefill_attention")
+    manifest = Manifest.from_json(json.dumps(five), "five")
+    assert (manifest.decode_attention, manifest.prefill_attention, manifest.uses_attention_kernel) == (
+        "kernel", "graph", True)
+    with pytest.raises(BundleError, match="version 7 is not supported.*reads versions 3, 4, 5, 6"):
+        Manifest.from_json(json.dumps({**data, "version": 7}), "new")
+    for key in ("decode_attention", "prefill_attention"):
+        with pytest.raises(BundleError, match=f"unknown {key} 'gpu'; reconvert"):
+            Manifest.from_json(json.dumps({**data, key: "gpu"}), "odd")
 
 
 def test_two_threads_agree_with_one_over_many_calls_of_any_length():

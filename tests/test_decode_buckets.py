@@ -13,17 +13,23 @@ PREFILL_BUCKETS = (32, 64)
 DECODE_BUCKETS = (8, 16, 24, 32, 48, 64)
 
 
-def test_kernel_bundles_decode_at_max_context_only():
-    """The kernel reads only the live slots: one decode entry point, prefill keeps its buckets."""
+def test_kernel_bundles_decode_and_prefill_at_max_context_only():
+    """The kernels read only the slots a row sees: one decode entry point, one prefill entry point per
+    chunk length; builtin-op prefill keeps its capacity buckets."""
     options = ConvertOptions(max_context=4096, prefill_lengths=(32, 512))
-    assert options.one_token_buckets() == (4096,)
+    assert options.one_token_buckets() == options.prefill_buckets() == (4096,)
     names = {s.name for s in tflite_signatures(options)}
-    assert "decode" in names and not [n for n in names if n.startswith("decode_s")]
-    assert {"prefill_32_s256", "prefill_512_s1024", "prefill_512"} <= names
+    assert names == {"prefill_32", "prefill_512", "decode", "sampler"}
+    graph_prefill = ConvertOptions(max_context=4096, prefill_lengths=(32, 512), prefill_attention="graph")
+    assert graph_prefill.one_token_buckets() == (4096,)
+    names = {s.name for s in tflite_signatures(graph_prefill)}
+    assert {"prefill_32_s256", "prefill_512_s1024", "prefill_512", "decode"} <= names
+    assert not [n for n in names if n.startswith("decode_s")]
 
 
 def test_default_decode_buckets_refine_the_prefill_buckets():
-    options = ConvertOptions(max_context=4096, prefill_lengths=(32, 512), decode_attention="graph")
+    options = ConvertOptions(max_context=4096, prefill_lengths=(32, 512), decode_attention="graph",
+                             prefill_attention="graph")
     assert options.prefill_buckets() == (256, 512, 1024, 2048, 4096)
     assert options.one_token_buckets() == (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
     names = {s.name for s in tflite_signatures(options)}
@@ -65,6 +71,11 @@ def test_decode_attention_is_a_litert_option():
         ConvertOptions(backend="onnx", max_context=64, prefill_lengths=(8,), decode_attention="kernel")
     with pytest.raises(ConfigError, match="unknown decode attention 'fast'"):
         ConvertOptions(max_context=64, prefill_lengths=(8,), decode_attention="fast")
+    assert ConvertOptions(max_context=64, prefill_lengths=(8,)).prefill_attention_kind == "kernel"
+    with pytest.raises(ConfigError, match="--prefill-attention is a LiteRT option"):
+        ConvertOptions(backend="onnx", max_context=64, prefill_lengths=(8,), prefill_attention="graph")
+    with pytest.raises(ConfigError, match="unknown prefill attention 'fast'"):
+        ConvertOptions(max_context=64, prefill_lengths=(8,), prefill_attention="fast")
 
 
 @pytest.mark.parametrize("drop", ["every decode entry point", "the max-context decode entry point"])
@@ -91,10 +102,11 @@ def test_a_manifest_without_a_decode_bucket_for_every_length_is_refused(drop):
 @pytest.fixture(scope="module", params=[(arch, attention) for arch in ("llama", "gemma3")
                                         for attention in ("kernel", "graph")], ids=lambda p: "-".join(p))
 def split_bucket_executor(request):
-    """Both one-token attention forms: litekv's kernel (the default) and builtin ops only."""
+    """Both attention forms: litekv's kernels (the default) and builtin ops only."""
     arch, attention = request.param
     options = ConvertOptions(backend="litert", max_context=MAX_CONTEXT, prefill_lengths=PREFILL_LENGTHS,
-                             kv_buckets=PREFILL_BUCKETS, decode_buckets=DECODE_BUCKETS, decode_attention=attention)
+                             kv_buckets=PREFILL_BUCKETS, decode_buckets=DECODE_BUCKETS, decode_attention=attention,
+                             prefill_attention=attention)
     path = convert(checkpoint_dir(arch), scratch_dir("litekv-decode-buckets-") / f"{arch}-{attention}", options)
     return arch, open_executor(path)
 
@@ -130,7 +142,8 @@ def test_split_buckets_match_the_reference_across_every_boundary(split_bucket_ex
 
 def test_attention_stats_count_every_layers_call(split_bucket_executor):
     """The kernel's counters, as bench/attention_threads.py reads them: one call per layer and
-    decode step (prefill attends in builtin ops); a bundle without the kernel has none."""
+    decode step (prefill chunks run the prefill op, which they do not count); a bundle without the
+    kernel has none."""
     arch, ex = split_bucket_executor
     if ex.manifest.decode_attention != "kernel":
         assert ex.attention_stats() is None

@@ -26,7 +26,8 @@ BACKENDS = ["onnx", pytest.param("litert", marks=pytest.mark.skipif(not kernel_a
 
 @lru_cache(maxsize=None)
 def int8_kv_bundle(arch: str, backend: str = "onnx", lora_rank: int | None = None):
-    litert = dict(kv_buckets=KV_BUCKETS, decode_attention="graph" if backend == "litert-graph" else "kernel")
+    attention = "graph" if backend == "litert-graph" else "kernel"
+    litert = dict(kv_buckets=KV_BUCKETS, decode_attention=attention, prefill_attention=attention)
     options = ConvertOptions(backend=backend.split("-")[0], max_context=MAX_CONTEXT, prefill_lengths=PREFILL_LENGTHS,
                              kv_cache="int8", lora_rank=lora_rank, **(litert if backend != "onnx" else {}))
     return convert(checkpoint_dir(arch), _ROOT / f"{arch}-{backend}-kv8-lora{lora_rank}", options)
@@ -34,15 +35,16 @@ def int8_kv_bundle(arch: str, backend: str = "onnx", lora_rank: int | None = Non
 
 def scales(bundle, kind: str, layer: int) -> np.ndarray:
     """The graph's scale for one layer, as [KVH, D] (the dequantized value is code * scale)."""
-    if (bundle / "model.tflite").exists():  # a constant [KVH*D] every entry point shares
+    if (bundle / "model.tflite").exists():  # 1 / scale, a constant [KVH*D] every entry point quantizes with
         kv_heads = open_executor(bundle).config.num_kv_heads
         model = schema.Model.GetRootAs((bundle / "model.tflite").read_bytes(), 0)
         for g in range(model.SubgraphsLength()):
             graph = model.Subgraphs(g)
             for i in range(graph.TensorsLength()):
                 tensor = graph.Tensors(i)
-                if tensor.Name().decode() == f"kv_scale.{kind}.{layer}.kv":
-                    return model.Buffers(tensor.Buffer()).DataAsNumpy().view(np.float32).reshape(kv_heads, -1)
+                if tensor.Name().decode() == f"kv_inverse_scale.{kind}.{layer}":
+                    inverse = model.Buffers(tensor.Buffer()).DataAsNumpy().view(np.float32).reshape(kv_heads, -1)
+                    return (1.0 / inverse.astype(np.float64)).astype(np.float32)
         raise AssertionError(f"no scale tensor for {kind} {layer}")
     model = onnx.load(str(bundle / "model.onnx"), load_external_data=False)
     init = next(t for t in model.graph.initializer if t.name == f"kv_scale_{kind}_{layer}")
@@ -112,13 +114,14 @@ def test_int8_cache_round_trips_through_serialization(backend):
 
 @pytest.mark.skipif(not kernel_available(), reason="no kernel")
 def test_litert_steps_read_int8_codes_in_the_kernel():
-    """The decode entry points call the kernel's int8 form on int8 cache tensors; prefill and the
-    graph-attention bundle dequantize with builtin ops instead."""
-    for backend, op in (("litert", "litekv.decode_attention_int8"), ("litert-graph", None)):
+    """Decode and prefill entry points call the kernels' int8 forms on int8 cache tensors; the
+    graph-attention bundle dequantizes with builtin ops instead."""
+    for backend, ops in (("litert", {"litekv.decode_attention_int8", "litekv.prefill_attention_int8"}),
+                         ("litert-graph", set())):
         model = schema.Model.GetRootAs((int8_kv_bundle("llama", backend) / "model.tflite").read_bytes(), 0)
         customs = {model.OperatorCodes(i).CustomCode().decode() for i in range(model.OperatorCodesLength())
                    if model.OperatorCodes(i).CustomCode()}
-        assert customs == ({op} if op else set())
+        assert customs == ops
         graph = model.Subgraphs(0)
         kv = [graph.Tensors(i) for i in range(graph.TensorsLength()) if graph.Tensors(i).Name() == b"kv_cache_k_0"]
         assert kv and all(t.Type() == schema.TensorType.INT8 for t in kv)

@@ -202,16 +202,17 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
 
     @staticmethod
     def _custom_ops(bundle: str | Path, manifest: Manifest, threads: int) -> list:
-        """The kernels the bundle's custom ops need: litekv's decode attention, if it uses it."""
-        if manifest.decode_attention != "kernel":
+        """The kernels the bundle's custom ops need: litekv's attention, if it uses it."""
+        if not manifest.uses_attention_kernel:
             return []
         cfg = manifest.config
         try:
             return [native_attention.AttentionKernel(cfg.head_dim, cfg.num_heads, manifest.max_context, threads,
                                                      litert=litert_capi.library())]
         except MissingDependency as e:
-            raise BundleError(f"{bundle}: its decode steps attend in litekv's attention kernel, and {e}. Or reconvert "
-                              "the model with --decode-attention graph, which needs LiteRT's builtin ops only.") from e
+            raise BundleError(f"{bundle}: it attends in litekv's attention kernel, and {e}. Or reconvert the model "
+                              "with --decode-attention graph --prefill-attention graph, which needs LiteRT's builtin "
+                              "ops only.") from e
 
     def attention_stats(self) -> native_attention.AttentionStats | None:
         """The decode-attention kernel's counters since the executor opened (calls, time inside

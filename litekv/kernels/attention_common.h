@@ -1,4 +1,4 @@
-/* What decode_attention.c and attention_int8_dot.c share: the job a call hands a thread, the
+/* What the attention kernels share: the jobs a call hands a thread, the float vector type, the
  * softmax's exponential, and the prefetch distance. */
 #ifndef LITEKV_ATTENTION_COMMON_H
 #define LITEKV_ATTENTION_COMMON_H
@@ -9,6 +9,42 @@
 #define MASKED_BELOW (-1e30f)
 /* Helpers are inlined into the ISA-specific functions, so each gets its own vector code. */
 #define INLINE static inline __attribute__((always_inline))
+
+/* Built where it runs, but possibly for a wider family (a wheel): pick AVX-512 or AVX2 at load. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+/* 16 floats; GCC and Clang lower it to one AVX-512 register, two AVX2 registers, or four SSE ones. */
+typedef float v16 __attribute__((vector_size(64)));
+
+INLINE v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+INLINE v16 max16(v16 a, v16 b) {
+    const i32x16 greater = a > b;
+    return (v16)((greater & (i32x16)a) | (~greater & (i32x16)b));
+}
+
+/* The largest of x[0..n-1] (n >= 1), 16 lanes at a time. */
+INLINE float max_of(const float *x, int n) {
+    float best = x[0];
+    int i = 0;
+    if (n >= 16) {
+        v16 m = load16(x);
+        for (i = 16; i + 16 <= n; i += 16) m = max16(m, load16(x + i));
+        for (int j = 0; j < 16; j++) best = m[j] > best ? m[j] : best;
+    }
+    for (; i < n; i++) best = x[i] > best ? x[i] : best;
+    return best;
+}
 
 /* The query in two int8 digits per element, for the int8 dot-product path: head h's q ~ unit[h] *
  * (128 * hi + lo), and offset[h] = 128 * (128 * sum(hi) + sum(lo)), what adding 128 to every key
@@ -52,6 +88,21 @@ INLINE float exp_nonpositive(float x) {
     union { uint32_t u; float f; } scale = {(uint32_t)((int32_t)n + 127) << 23};
     return x < -87.0f ? 0.0f : p * scale.f;
 }
+
+/* A prefill chunk's attention (prefill_attention.c): tokens query rows of every head against the
+ * cache, each row attending where its mask row is unmasked. Cut into prefill_tasks() independent
+ * tasks (a tile of tokens), which threads take in any order, each with its own
+ * scratch of prefill_scratch_floats() floats. */
+typedef struct {
+    const float *query, *mask;          /* [tokens][heads * D] (scaled), [tokens][slots] */
+    const void *keys, *values;          /* [slots][row]: float, or int8_t codes when `int8` */
+    float *out;                         /* [tokens][heads * D] */
+    int int8, tokens, slots, heads, kv_heads, head_dim, row;
+} PrefillJob;
+
+int prefill_tasks(const PrefillJob *job);
+size_t prefill_scratch_floats(int heads, int head_dim, int max_slots);
+void prefill_task(const PrefillJob *job, int task, float *scratch);
 
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 32 /* slots ahead: software prefetch crosses the 4 KB pages hardware stops at */

@@ -46,13 +46,6 @@
 #endif
 #define NUMERATOR_STRIDE (CHUNK_SLOTS + 2) /* a chunk's numerators, a zero after an odd count, even */
 
-/* Built where it runs, but possibly for a wider family (a wheel): pick AVX-512 or AVX2 at load. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define VECTOR_CLONES
-#endif
-
 typedef int Status; /* LiteRtStatus: 0 = ok */
 enum { STATUS_OK = 0, STATUS_INVALID_ARGUMENT = 1, STATUS_RUNTIME_FAILURE = 3 };
 
@@ -92,6 +85,9 @@ typedef struct {
     atomic_int stop;
     uint64_t calls;
     Job job;
+    PrefillJob prefill;     /* the call's job when prefill_active */
+    int prefill_active;
+    float *prefill_scratch[2]; /* the caller's and the helper's, made at the first prefill call */
     int helper_running;
     /* What the threads write while the other reads: each on its own cache line, away from the job
      * (a shared line would bounce between the cores on every access to the job's fields). */
@@ -109,34 +105,6 @@ typedef struct {
 } State;
 
 /* ---- the arithmetic ------------------------------------------------------------------------- */
-
-/* 16 floats; GCC and Clang lower it to one AVX-512 register, two AVX2 registers, or four SSE ones. */
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-INLINE v16 load16(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-INLINE v16 max16(v16 a, v16 b) {
-    const i32x16 greater = a > b;
-    return (v16)((greater & (i32x16)a) | (~greater & (i32x16)b));
-}
-
-/* The largest of x[0..n-1] (n >= 1), 16 lanes at a time. */
-INLINE float max_of(const float *x, int n) {
-    float best = x[0];
-    int i = 0;
-    if (n >= 16) {
-        v16 m = load16(x);
-        for (i = 16; i + 16 <= n; i += 16) m = max16(m, load16(x + i));
-        for (int j = 0; j < 16; j++) best = m[j] > best ? m[j] : best;
-    }
-    for (; i < n; i++) best = x[i] > best ? x[i] : best;
-    return best;
-}
 
 /* Adds the mask to n scores and replaces them with e^(score - max); returns their sum, the max in
  * *best. Masked slots need no special case: a score plus a mask <= -1e30 is far below the maximum
@@ -339,7 +307,7 @@ static uint64_t take_chunks(State *st, bool helper, double delay) {
     uint64_t t = atomic_load_explicit(&st->ticket, memory_order_acquire), taken = 0;
     while ((t & TICKET_FIELD) < ((t >> 20) & TICKET_FIELD)) {
         if (atomic_compare_exchange_weak_explicit(&st->ticket, &t, t + 1, memory_order_acq_rel, memory_order_acquire)) {
-            if (helper) {
+            if (helper && !st->prefill_active) {
                 if (!taken) {
                     atomic_fetch_add_explicit(&st->stat_helper_joins, 1, memory_order_relaxed);
                     atomic_fetch_add_explicit(&st->stat_helper_delay_nanoseconds, (uint64_t)(1e9 * delay),
@@ -347,7 +315,10 @@ static uint64_t take_chunks(State *st, bool helper, double delay) {
                 }
                 atomic_fetch_add_explicit(&st->stat_helper_chunks, 1, memory_order_relaxed);
             }
-            attend_part(&st->job, &st->parts[t & TICKET_FIELD]);
+            if (st->prefill_active)
+                prefill_task(&st->prefill, (int)(t & TICKET_FIELD), st->prefill_scratch[helper]);
+            else
+                attend_part(&st->job, &st->parts[t & TICKET_FIELD]);
             atomic_fetch_add_explicit(&st->completed, 1, memory_order_release);
             t = atomic_load_explicit(&st->ticket, memory_order_acquire);
             taken++;
@@ -391,6 +362,7 @@ static void live_span(const float *mask, int slots, int *lo, int *hi) {
 }
 
 static void compute(State *st, Job *job, int slots, float *out);
+static void share(State *st, int count);
 
 /* One call, counted for litekv_attention_stats (a clock read costs tens of nanoseconds; a call
  * microseconds). */
@@ -428,20 +400,45 @@ static void compute(State *st, Job *job, int slots, float *out) {
         for (int i = 0; i < count; i++) attend_part(job, &st->parts[i]);
     } else {
         st->job = *job;
-        atomic_store_explicit(&st->completed, 0, memory_order_relaxed);
-        st->calls = (st->calls + 1) & 0xFFFFFF;
-        atomic_store_explicit(&st->ticket, st->calls << 40 | (uint64_t)count << 20, memory_order_release);
-        if (count > 1) { /* one chunk is not worth the helper's start-up */
-            pthread_mutex_lock(&st->lock);
-            atomic_store_explicit(&st->signalled, seconds(), memory_order_relaxed); /* before generation */
-            atomic_fetch_add_explicit(&st->generation, 1, memory_order_release);
-            pthread_cond_signal(&st->wake);
-            pthread_mutex_unlock(&st->lock);
-        }
-        take_chunks(st, false, 0.0);
-        while (atomic_load_explicit(&st->completed, memory_order_acquire) != count) sched_yield();
+        st->prefill_active = 0;
+        share(st, count);
     }
     merge(job, st->parts, count, out);
+}
+
+/* Offers the `count` chunks of the job set in the state to the helper thread, takes chunks
+ * itself, and returns when all are computed. */
+static void share(State *st, int count) {
+    atomic_store_explicit(&st->completed, 0, memory_order_relaxed);
+    st->calls = (st->calls + 1) & 0xFFFFFF;
+    atomic_store_explicit(&st->ticket, st->calls << 40 | (uint64_t)count << 20, memory_order_release);
+    if (count > 1) { /* one chunk is not worth the helper's start-up */
+        pthread_mutex_lock(&st->lock);
+        atomic_store_explicit(&st->signalled, seconds(), memory_order_relaxed); /* before generation */
+        atomic_fetch_add_explicit(&st->generation, 1, memory_order_release);
+        pthread_cond_signal(&st->wake);
+        pthread_mutex_unlock(&st->lock);
+    }
+    take_chunks(st, false, 0.0);
+    while (atomic_load_explicit(&st->completed, memory_order_acquire) != count) sched_yield();
+}
+
+/* A prefill chunk's attention, its tasks shared between the threads like a decode's chunks. */
+static Status compute_prefill(State *st, const PrefillJob *job, int heads, int head_dim) {
+    if (!st->prefill_scratch[0]) {
+        const size_t bytes = (sizeof(float) * prefill_scratch_floats(heads, head_dim, st->max_slots) + 63) / 64 * 64;
+        for (int i = 0; i < 2; i++)
+            if (!(st->prefill_scratch[i] = aligned_alloc(64, bytes))) return STATUS_RUNTIME_FAILURE;
+    }
+    const int count = prefill_tasks(job);
+    if (!st->helper_running) {
+        for (int i = 0; i < count; i++) prefill_task(job, i, st->prefill_scratch[0]);
+    } else {
+        st->prefill = *job;
+        st->prefill_active = 1;
+        share(st, count);
+    }
+    return STATUS_OK;
 }
 
 static State *state_create(int heads, int head_dim, int max_slots, int threads, int int8_dot) {
@@ -497,6 +494,7 @@ static void state_destroy(State *st) {
     pthread_mutex_destroy(&st->lock);
     pthread_cond_destroy(&st->wake);
     free(st->scores), free(st->acc), free(st->max), free(st->parts), free(st->numerators), free(st->digit_bytes);
+    free(st->prefill_scratch[0]), free(st->prefill_scratch[1]);
     free(st);
 }
 
@@ -569,6 +567,51 @@ static Status op_run_int8(void *user_data, size_t num_inputs, void *const *input
     return run(user_data, num_inputs, inputs, num_outputs, outputs, 1);
 }
 
+/* A prefill chunk: query [1, T, H*D], caches [1, S, KVH*D], mask [.., T, S]; H from the
+ * registration, so T = query size / (H * D), S = mask size / T. */
+static Status make_prefill_job(PrefillJob *job, const float *q, size_t nq, const void *k, size_t nk, const void *v,
+                               size_t nv, int int8, const float *m, size_t nm, float *o, size_t no, int heads,
+                               int head_dim, const State *st) {
+    const size_t width = (size_t)heads * head_dim;
+    if (head_dim <= 0 || heads <= 0 || nq == 0 || nq % width || no != nq) return STATUS_INVALID_ARGUMENT;
+    const size_t tokens = nq / width;
+    if (nm % tokens) return STATUS_INVALID_ARGUMENT;
+    const size_t slots = nm / tokens;
+    if (slots == 0 || slots > (size_t)st->max_slots || nk != nv || nk % (slots * head_dim)) return STATUS_INVALID_ARGUMENT;
+    const size_t kv_heads = nk / (slots * head_dim);
+    if (kv_heads == 0 || heads % kv_heads) return STATUS_INVALID_ARGUMENT;
+    *job = (PrefillJob){q, m, k, v, o, int8, (int)tokens, (int)slots, heads, (int)kv_heads, head_dim,
+                        (int)kv_heads * head_dim};
+    return STATUS_OK;
+}
+
+static Status run_prefill(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
+                          void **outputs, int int8) {
+    AttentionConfig *cfg = user_data;
+    State *st = cfg->state;
+    if (!st || num_inputs != 4 || num_outputs != 1) return STATUS_INVALID_ARGUMENT;
+    void *q, *k, *v, *m, *o;
+    size_t nq, nk, nv, nm, no, element = int8 ? 1 : sizeof(float);
+    if (buffer(cfg, inputs[0], &q, &nq, sizeof(float)) || buffer(cfg, inputs[1], &k, &nk, element) ||
+        buffer(cfg, inputs[2], &v, &nv, element) || buffer(cfg, inputs[3], &m, &nm, sizeof(float)) ||
+        buffer(cfg, outputs[0], &o, &no, sizeof(float)))
+        return STATUS_RUNTIME_FAILURE;
+    PrefillJob job;
+    if (make_prefill_job(&job, q, nq, k, nk, v, nv, int8, m, nm, o, no, cfg->num_heads, cfg->head_dim, st))
+        return STATUS_INVALID_ARGUMENT;
+    return compute_prefill(st, &job, cfg->num_heads, cfg->head_dim);
+}
+
+static Status op_run_prefill(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
+                             void **outputs) {
+    return run_prefill(user_data, num_inputs, inputs, num_outputs, outputs, 0);
+}
+
+static Status op_run_prefill_int8(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
+                                  void **outputs) {
+    return run_prefill(user_data, num_inputs, inputs, num_outputs, outputs, 1);
+}
+
 static Status op_destroy(void *user_data) {
     (void)user_data; /* the state lives until litekv_attention_release: entry points share it */
     return STATUS_OK;
@@ -580,11 +623,13 @@ typedef struct {
     void *init, *output_layouts, *run, *destroy;
 } Kernel; /* LiteRtCustomOpKernel */
 
-/* The callbacks of "litekv.decode_attention", or of "litekv.decode_attention_int8" if `int8`. */
-void litekv_attention_kernel(Kernel *kernel, int int8) {
+/* The callbacks of "litekv.decode_attention" (or "litekv.prefill_attention" if `prefill`), the
+ * "_int8" form if `int8`. Both ops share one registration's state: scratch and helper thread. */
+void litekv_attention_kernel(Kernel *kernel, int int8, int prefill) {
     kernel->init = (void *)op_init;
     kernel->output_layouts = (void *)op_output_layouts;
-    kernel->run = int8 ? (void *)op_run_int8 : (void *)op_run;
+    kernel->run = prefill ? (int8 ? (void *)op_run_prefill_int8 : (void *)op_run_prefill)
+                          : (int8 ? (void *)op_run_int8 : (void *)op_run);
     kernel->destroy = (void *)op_destroy;
 }
 
@@ -630,4 +675,17 @@ int litekv_attention_run(AttentionConfig *cfg, const float *query, const void *k
                              (size_t)slots, cfg->head_dim, cfg->num_heads, st);
     if (status == STATUS_OK) attend(st, &job, slots, out);
     return status;
+}
+
+/* A prefill chunk on host arrays: query and out [tokens][H*D], keys and values [slots, KVH*D]
+ * (float, or int8_t if `int8`), mask [tokens][slots]. */
+int litekv_prefill_attention_run(AttentionConfig *cfg, const float *query, const void *keys, const void *values,
+                                 const float *mask, float *out, int tokens, int kv_heads, int slots, int int8) {
+    if (tokens <= 0 || kv_heads <= 0 || slots <= 0) return STATUS_INVALID_ARGUMENT;
+    if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
+    const size_t nq = (size_t)tokens * cfg->num_heads * cfg->head_dim, nk = (size_t)slots * kv_heads * cfg->head_dim;
+    PrefillJob job;
+    Status status = make_prefill_job(&job, query, nq, keys, nk, values, nk, int8, mask, (size_t)tokens * slots, out, nq,
+                                     cfg->num_heads, cfg->head_dim, cfg->state);
+    return status == STATUS_OK ? compute_prefill(cfg->state, &job, cfg->num_heads, cfg->head_dim) : status;
 }

@@ -1,0 +1,155 @@
+"""litekv's prefill-attention kernel: a chunk of query tokens against the cache, on host arrays
+and as the custom op of converted bundles."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from litekv import native_attention
+
+pytestmark = pytest.mark.skipif(not native_attention.available(),
+                                reason="litekv's attention kernels are not built (no C compiler at install)")
+
+MASKED = np.finfo(np.float32).min
+
+
+def numpy_prefill(query, keys, values, mask, kv_heads, head_dim):
+    """float64 attention of every query row; a row with no unmasked slot attends to nothing (zeros)."""
+    tokens, slots = mask.shape
+    heads = query.shape[1] // head_dim
+    group = heads // kv_heads
+    out = np.zeros((tokens, heads * head_dim))
+    keys, values = keys.astype(np.float64), values.astype(np.float64)
+    for h in range(heads):
+        kv = slice(h // group * head_dim, (h // group + 1) * head_dim)
+        scores = query[:, h * head_dim:(h + 1) * head_dim].astype(np.float64) @ keys[:, kv].T + mask
+        open_rows = (mask > -1e30).any(axis=1)
+        p = np.exp(scores - scores.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        out[:, h * head_dim:(h + 1) * head_dim] = np.where(open_rows[:, None], p @ values[:, kv], 0.0)
+    return out
+
+
+def causal_case(heads, kv_heads, head_dim, tokens, slots, start, window=None, int8=False, seed=0):
+    """A chunk of `tokens` rows written at `start`: row t sees slots 0..start+t (the last `window`)."""
+    rng = np.random.default_rng(seed)
+    query = rng.standard_normal((tokens, heads * head_dim)).astype(np.float32) * 0.3
+    if int8:
+        keys, values = (rng.integers(-127, 128, (slots, kv_heads * head_dim)).astype(np.int8) for _ in range(2))
+        query *= 0.02  # codes are ~100x a float cache's values
+    else:
+        keys, values = (rng.standard_normal((slots, kv_heads * head_dim)).astype(np.float32) for _ in range(2))
+    mask = np.full((tokens, slots), MASKED, np.float32)
+    for t in range(tokens):
+        last = min(start + t, slots - 1)
+        mask[t, (0 if window is None else max(0, last - window + 1)):last + 1] = 0.0
+    return query, keys, values, mask
+
+
+def run(query, keys, values, mask, kv_heads, head_dim, threads=2):
+    kernel = native_attention.AttentionKernel(head_dim, query.shape[1] // head_dim, mask.shape[1], threads)
+    try:
+        return kernel.run_prefill(query, keys, values, mask, kv_heads)
+    finally:
+        kernel.release()
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, tokens, slots, start, window", [
+    (9, 3, 64, 37, 300, 100, None),    # SmolLM2's heads, a chunk after a prefix
+    (9, 3, 64, 128, 128, 0, None),     # the first chunk fills the cache: its causal triangle
+    (4, 1, 256, 20, 600, 33, None),    # Gemma 3 270M's heads: 4 query rows per token, one KV head
+    (4, 1, 256, 40, 600, 300, 64),     # a sliding window: a masked prefix that moves with the row
+    (14, 2, 128, 50, 400, 300, None),  # head_dim 128, 7 heads per KV head
+    (6, 2, 48, 17, 100, 40, None),     # a head_dim without a vector path
+    (64, 1, 64, 3, 50, 10, None),      # more heads per KV head than a tile's rows
+])
+@pytest.mark.parametrize("int8", [False, True], ids=["float cache", "int8 codes"])
+def test_kernel_matches_numpy(heads, kv_heads, head_dim, tokens, slots, start, window, int8):
+    q, k, v, m = causal_case(heads, kv_heads, head_dim, tokens, slots, start, window, int8)
+    got = run(q, k, v, m, kv_heads, head_dim)
+    want = numpy_prefill(q, k, v, m, kv_heads, head_dim)
+    np.testing.assert_allclose(got, want, atol=(2e-3 if int8 else 2e-5), rtol=1e-4)
+
+
+def test_holes_soft_masks_and_fully_masked_rows():
+    """The mask is added as it is: holes inside the span are skipped, soft values bias the scores,
+    and a row that sees nothing (masked everywhere) comes out as zeros, not an average."""
+    q, k, v, m = causal_case(9, 3, 64, 40, 500, 200)
+    m[:, 17:40] = MASKED
+    m[5, :100] += np.random.default_rng(1).standard_normal(100).astype(np.float32)
+    m[7] = MASKED
+    got = run(q, k, v, m, 3, 64)
+    np.testing.assert_allclose(got, numpy_prefill(q, k, v, m, 3, 64), atol=2e-5, rtol=1e-4)
+    assert not got[7].any()
+    m[:] = MASKED
+    assert not run(q, k, v, m, 3, 64).any()
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float cache", "int8 codes"])
+def test_the_result_does_not_depend_on_the_thread_count(int8):
+    """Each tile is computed whole by whichever thread takes it, so two threads give the bits of one."""
+    q, k, v, m = causal_case(9, 3, 64, 300, 1024, 500, int8=int8)
+    np.testing.assert_array_equal(run(q, k, v, m, 3, 64, threads=1), run(q, k, v, m, 3, 64, threads=2))
+
+
+def test_a_kernel_serves_decode_and_prefill_calls_in_turn():
+    """One registration's helper thread and scratch serve both ops, as a prefill then steps do."""
+    q, k, v, m = causal_case(9, 3, 64, 64, 512, 200)
+    kernel = native_attention.AttentionKernel(64, 9, 512, 2)
+    try:
+        for _ in range(3):
+            np.testing.assert_allclose(kernel.run_prefill(q, k, v, m, 3), numpy_prefill(q, k, v, m, 3, 64),
+                                       atol=2e-5, rtol=1e-4)
+            step = kernel.run(q[-1], k, v, m[-1], 3)
+            np.testing.assert_allclose(step, numpy_prefill(q[-1:], k, v, m[-1:], 3, 64)[0], atol=2e-5, rtol=1e-4)
+    finally:
+        kernel.release()
+
+
+@pytest.mark.parametrize("change", ["slots above the registration", "heads that do not group",
+                                    "keys and values of different lengths"])
+def test_shapes_that_do_not_fit_are_refused(change):
+    q, k, v, m = causal_case(9, 3, 64, 8, 256, 0)
+    kv_heads, slots = 3, 256
+    if change == "slots above the registration":
+        slots = 128
+    elif change == "heads that do not group":
+        kv_heads, k, v = 2, k[:, :128], v[:, :128]
+    else:
+        v = v[:200]
+    kernel = native_attention.AttentionKernel(64, 9, slots, 1)
+    try:
+        with pytest.raises(ValueError, match="prefill attention rejected the shapes"):
+            kernel.run_prefill(q, k, v, m, kv_heads)
+    finally:
+        kernel.release()
+
+
+def test_kernel_bundles_prefill_in_the_custom_op_at_one_capacity():
+    """A default LiteRT bundle's prefill entry points run the prefill op, one per chunk length at
+    max context, and their logits match a builtin-op bundle's with capacity buckets."""
+    from conformance import checkpoint_dir, relative_error, scratch_dir
+    from litekv.converters.convert import ConvertOptions, convert
+    from litekv.executor import open_executor
+    from ai_edge_litert import schema_py_generated as schema
+
+    def model_custom_op_names(path):
+        model = schema.Model.GetRootAs(path.read_bytes(), 0)
+        return {model.OperatorCodes(i).CustomCode().decode() for i in range(model.OperatorCodesLength())
+                if model.OperatorCodes(i).CustomCode()}
+
+    kinds = {}
+    for attention in ("kernel", "graph"):
+        options = ConvertOptions(backend="litert", max_context=512, prefill_lengths=(8, 64),
+                                 prefill_attention=attention)
+        kinds[attention] = convert(checkpoint_dir("gemma3"), scratch_dir("litekv-prefill-op-") / attention, options)
+    kernel, graph = (open_executor(kinds[a]) for a in ("kernel", "graph"))
+    assert {s.capacity for s in kernel.manifest.signatures if s.kind == "prefill"} == {512}
+    assert len({s.capacity for s in graph.manifest.signatures if s.kind == "prefill"}) > 1
+    assert native_attention.PREFILL_OP_NAME in model_custom_op_names(kinds["kernel"] / "model.tflite")
+    assert native_attention.PREFILL_OP_NAME not in model_custom_op_names(kinds["graph"] / "model.tflite")
+    prompt = np.random.default_rng(3).integers(3, kernel.config.vocab_size, 500)  # chunks in every bucket
+    caches = [ex.create_kv_cache() for ex in (kernel, graph)]
+    for ex, cache in zip((kernel, graph), caches):
+        ex.prefill(prompt, cache)
+    assert relative_error(kernel.step([7], caches[0]), graph.step([7], caches[1])) < 1e-4
