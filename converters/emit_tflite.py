@@ -7,11 +7,12 @@ seen as rows: XNNPACK copies a bound tensor it reshapes, so the graph never resh
 decode); outputs the updated caches
 under the same names (written by DYNAMIC_UPDATE_SLICE, so one buffer can be bound in place) and
 `logits` [1,1,V] (decode). One more entry point, `sampler`, takes a decode's `logits` and the
-sampler inputs and returns `next_token` int32 [1]. By default a decode's attention is the custom op
-`litekv.decode_attention` (litekv.native_attention); decode_attention="graph" keeps builtin ops only.
+sampler inputs and returns `next_token` int32 [1]. By default attention is a custom op of
+litekv.native_attention: `litekv.decode_attention` for a decode, `litekv.prefill_attention` for a
+prefill chunk; decode_attention / prefill_attention="graph" keep builtin ops only.
 With `kv_scales` (converters.kv_calibration) the cache tensors are int8 codes of K/V / scale, one
-static scale per (layer, KV head, channel): new rows are quantized in the graph, the kernel's int8
-form reads the codes, and every other attention dequantizes the cache it reads.
+static scale per (layer, KV head, channel): new rows are quantized in the graph, the kernels' int8
+forms read the codes, and builtin-op attention dequantizes the cache it reads.
 """
 from __future__ import annotations
 
