@@ -23,8 +23,12 @@
 
 #include "attention_common.h"
 
+#ifndef TILE_ROWS
 #define TILE_ROWS 48 /* query rows per task: 48 rows' scores at 4,096 slots are 768 KB, in L2 */
-#define ROW_GROUP 8  /* rows whose scores stay in registers while a key block is read */
+#endif
+#ifndef ROW_GROUP
+#define ROW_GROUP 8 /* rows whose scores stay in registers while a key block is read */
+#endif
 #define BLOCK 16     /* slots per block: one vector of scores */
 
 INLINE int round_up(int x, int m) { return (x + m - 1) / m * m; }
