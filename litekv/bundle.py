@@ -104,6 +104,8 @@ class Manifest:
             raise BundleError(f"{where}: bundle format version {data.get('version')} is not supported by this "
                               f"litekv (it reads versions {', '.join(map(str, READABLE_VERSIONS))}); reconvert the "
                               "model or upgrade litekv.")
+        if data["version"] >= 6 and "prefill_attention" not in data:  # only older versions default it
+            raise BundleError(f"{where}: the manifest is incomplete (no prefill_attention); reconvert the model.")
         try:
             data.pop("format"), data.pop("version")
             data["config"] = ModelConfig.from_dict(data["config"])

@@ -76,9 +76,13 @@ def _load() -> ctypes.CDLL:
                     lib.litekv_attention_run.restype = ctypes.c_int
                     lib.litekv_attention_run.argtypes = [ctypes.POINTER(AttentionConfig), *[ctypes.c_void_p] * 5,
                                                          *[ctypes.c_int] * 4]
-                    lib.litekv_prefill_attention_run.restype = ctypes.c_int
-                    lib.litekv_prefill_attention_run.argtypes = lib.litekv_attention_run.argtypes
-                    _library = lib
+                    try:
+                        lib.litekv_prefill_attention_run.restype = ctypes.c_int
+                        lib.litekv_prefill_attention_run.argtypes = lib.litekv_attention_run.argtypes
+                    except AttributeError:  # a library built before the prefill kernel
+                        _load_error = f"{spec.origin} is out of date (no prefill kernel); reinstall litekv"
+                    else:
+                        _library = lib
     if _library is None:
         raise MissingDependency(_load_error)
     return _library
@@ -192,9 +196,12 @@ class AttentionKernel:
         kv_dtype = np.int8 if int8 else np.float32
         query, mask = (np.ascontiguousarray(a, np.float32) for a in (query, mask))
         keys, values = (np.ascontiguousarray(a, kv_dtype) for a in (keys, values))
+        if mask.ndim != 2:
+            raise ValueError(f"prefill attention rejected the shapes: mask {mask.shape} is not [T, S]")
         tokens, slots = mask.shape
         width = num_kv_heads * self.config.head_dim
-        if keys.shape != (slots, width) or values.shape != (slots, width) or query.ndim != 2 or len(query) != tokens:
+        if (keys.shape != (slots, width) or values.shape != (slots, width)
+                or query.shape != (tokens, self.config.num_heads * self.config.head_dim)):
             raise ValueError(f"prefill attention rejected the shapes: query {query.shape}, keys {keys.shape}, values "
                              f"{values.shape}, mask {mask.shape} (want [T, H*D], [S, KVH*D] twice, [T, S])")
         out = np.empty_like(query)

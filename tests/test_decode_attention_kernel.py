@@ -230,6 +230,10 @@ def test_manifest_versions(tmp_path):
         "kernel", "graph", True)
     with pytest.raises(BundleError, match="version 7 is not supported.*reads versions 3, 4, 5, 6"):
         Manifest.from_json(json.dumps({**data, "version": 7}), "new")
+    six = dict(data)
+    six.pop("prefill_attention")
+    with pytest.raises(BundleError, match="incomplete \\(no prefill_attention\\); reconvert"):
+        Manifest.from_json(json.dumps(six), "six")
     for key in ("decode_attention", "prefill_attention"):
         with pytest.raises(BundleError, match=f"unknown {key} 'gpu'; reconvert"):
             Manifest.from_json(json.dumps({**data, key: "gpu"}), "odd")

@@ -25,6 +25,9 @@ def test_kernel_bundles_decode_and_prefill_at_max_context_only():
     names = {s.name for s in tflite_signatures(graph_prefill)}
     assert {"prefill_32_s256", "prefill_512_s1024", "prefill_512", "decode"} <= names
     assert not [n for n in names if n.startswith("decode_s")]
+    graph_decode = ConvertOptions(max_context=4096, prefill_lengths=(32, 512), decode_attention="graph")
+    assert graph_decode.prefill_buckets() == (4096,)
+    assert graph_decode.one_token_buckets() == (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 
 
 def test_default_decode_buckets_refine_the_prefill_buckets():

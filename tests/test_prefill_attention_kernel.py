@@ -62,6 +62,7 @@ def run(query, keys, values, mask, kv_heads, head_dim, threads=2):
     (14, 2, 128, 50, 400, 300, None),  # head_dim 128, 7 heads per KV head
     (6, 2, 48, 17, 100, 40, None),     # a head_dim without a vector path
     (64, 1, 64, 3, 50, 10, None),      # more heads per KV head than a tile's rows
+    (50, 1, 64, 3, 40, 5, None),       # ... and not a multiple of the 8-row register group
 ])
 @pytest.mark.parametrize("int8", [False, True], ids=["float cache", "int8 codes"])
 def test_kernel_matches_numpy(heads, kv_heads, head_dim, tokens, slots, start, window, int8):
@@ -83,6 +84,15 @@ def test_holes_soft_masks_and_fully_masked_rows():
     assert not got[7].any()
     m[:] = MASKED
     assert not run(q, k, v, m, 3, 64).any()
+
+
+def test_minus_infinity_masks_as_well_as_the_float_minimum():
+    q, k, v, m = causal_case(9, 3, 64, 30, 200, 60)
+    m[m < -1e30] = -np.inf
+    m[4] = -np.inf
+    got = run(q, k, v, m, 3, 64)
+    np.testing.assert_allclose(got, numpy_prefill(q, k, v, np.maximum(m, MASKED), 3, 64), atol=2e-5, rtol=1e-4)
+    assert np.isfinite(got).all() and not got[4].any()
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["float cache", "int8 codes"])
@@ -107,16 +117,22 @@ def test_a_kernel_serves_decode_and_prefill_calls_in_turn():
 
 
 @pytest.mark.parametrize("change", ["slots above the registration", "heads that do not group",
-                                    "keys and values of different lengths"])
+                                    "keys and values of different lengths", "a query of other heads",
+                                    "a one-row mask"])
 def test_shapes_that_do_not_fit_are_refused(change):
+    """Refused before the kernel runs: the C side sizes its reads from the registration's heads."""
     q, k, v, m = causal_case(9, 3, 64, 8, 256, 0)
     kv_heads, slots = 3, 256
     if change == "slots above the registration":
         slots = 128
     elif change == "heads that do not group":
         kv_heads, k, v = 2, k[:, :128], v[:, :128]
-    else:
+    elif change == "keys and values of different lengths":
         v = v[:200]
+    elif change == "a query of other heads":
+        q = q[:, :8 * 64]
+    else:
+        m = m[0]
     kernel = native_attention.AttentionKernel(64, 9, slots, 1)
     try:
         with pytest.raises(ValueError, match="prefill attention rejected the shapes"):

@@ -216,9 +216,11 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
 
     def attention_stats(self) -> native_attention.AttentionStats | None:
         """The decode-attention kernel's counters since the executor opened (calls, time inside
-        them, the helper thread's share and start delay), or None for a bundle that attends in
-        builtin ops."""
-        return self._attention_kernel.stats() if self._attention_kernel is not None else None
+        them, the helper thread's share and start delay), or None for a bundle whose decode steps
+        attend in builtin ops. Prefill chunks are not counted."""
+        if self._attention_kernel is None or self.manifest.decode_attention != "kernel":
+            return None
+        return self._attention_kernel.stats()
 
     def create_kv_cache(self, batch_size: int = 1) -> KVCache:
         cfg = self.config

@@ -425,10 +425,14 @@ static void share(State *st, int count) {
 
 /* A prefill chunk's attention, its tasks shared between the threads like a decode's chunks. */
 static Status compute_prefill(State *st, const PrefillJob *job, int heads, int head_dim) {
-    if (!st->prefill_scratch[0]) {
+    if (!st->prefill_scratch[0]) { /* both or neither: the helper's only where it runs */
         const size_t bytes = (sizeof(float) * prefill_scratch_floats(heads, head_dim, st->max_slots) + 63) / 64 * 64;
-        for (int i = 0; i < 2; i++)
-            if (!(st->prefill_scratch[i] = aligned_alloc(64, bytes))) return STATUS_RUNTIME_FAILURE;
+        float *mine = aligned_alloc(64, bytes), *helper = st->helper_running ? aligned_alloc(64, bytes) : NULL;
+        if (!mine || (st->helper_running && !helper)) {
+            free(mine), free(helper);
+            return STATUS_RUNTIME_FAILURE;
+        }
+        st->prefill_scratch[0] = mine, st->prefill_scratch[1] = helper;
     }
     const int count = prefill_tasks(job);
     if (!st->helper_running) {
@@ -579,10 +583,11 @@ static Status make_prefill_job(PrefillJob *job, const float *q, size_t nq, const
     const size_t slots = nm / tokens;
     if (slots == 0 || slots > (size_t)st->max_slots || nk != nv || nk % (slots * head_dim)) return STATUS_INVALID_ARGUMENT;
     const size_t kv_heads = nk / (slots * head_dim);
-    if (kv_heads == 0 || heads % kv_heads) return STATUS_INVALID_ARGUMENT;
+    if (kv_heads == 0 || heads % kv_heads || tokens > INT32_MAX) return STATUS_INVALID_ARGUMENT;
     *job = (PrefillJob){q, m, k, v, o, int8, (int)tokens, (int)slots, heads, (int)kv_heads, head_dim,
                         (int)kv_heads * head_dim};
-    return STATUS_OK;
+    /* the ticket counts tasks in 20 bits */
+    return prefill_tasks(job) <= (int)TICKET_FIELD ? STATUS_OK : STATUS_INVALID_ARGUMENT;
 }
 
 static Status run_prefill(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,

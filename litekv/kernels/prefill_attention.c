@@ -29,6 +29,8 @@
 #ifndef ROW_GROUP
 #define ROW_GROUP 8 /* rows whose scores stay in registers while a key block is read */
 #endif
+/* Rows are padded to ROW_GROUP, and the weighted values go 1, 2 or 4 rows at a time. */
+_Static_assert(ROW_GROUP % 4 == 0, "ROW_GROUP must be a multiple of 4");
 #define BLOCK 16     /* slots per block: one vector of scores */
 
 INLINE int round_up(int x, int m) { return (x + m - 1) / m * m; }
