@@ -122,6 +122,18 @@ class AttentionStats:
         return self.helper_chunks / self.chunks if self.chunks else 0.0
 
 
+def _host_arrays(query, keys, values, mask) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
+    """Contiguous float32 query and mask, keys and values both float32 or both int8 codes; and
+    whether they are codes."""
+    int8 = np.asarray(keys).dtype == np.int8
+    if int8 != (np.asarray(values).dtype == np.int8):
+        raise ValueError("keys and values must both be int8 codes or both float32")
+    kv_dtype = np.int8 if int8 else np.float32
+    query, mask = (np.ascontiguousarray(a, np.float32) for a in (query, mask))
+    keys, values = (np.ascontiguousarray(a, kv_dtype) for a in (keys, values))
+    return query, keys, values, mask, int8
+
+
 def available() -> bool:
     """Whether the kernel library is built and loads."""
     try:
@@ -172,12 +184,7 @@ class AttentionKernel:
             num_kv_heads: int) -> np.ndarray:
         """The op on host arrays: query [H*D], keys/values [S, KVH*D] (float32, or int8 codes for the
         int8 form), mask [S] float32 -> [H*D]."""
-        int8 = np.asarray(keys).dtype == np.int8
-        if int8 != (np.asarray(values).dtype == np.int8):
-            raise ValueError("keys and values must both be int8 codes or both float32")
-        kv_dtype = np.int8 if int8 else np.float32
-        query, mask = (np.ascontiguousarray(a, np.float32) for a in (query, mask))
-        keys, values = (np.ascontiguousarray(a, kv_dtype) for a in (keys, values))
+        query, keys, values, mask, int8 = _host_arrays(query, keys, values, mask)
         out = np.empty_like(query)
         pointers = (a.ctypes.data for a in (query, keys, values, mask, out))
         status = self._lib.litekv_attention_run(ctypes.byref(self.config), *pointers,
@@ -190,12 +197,7 @@ class AttentionKernel:
                     num_kv_heads: int) -> np.ndarray:
         """The prefill op on host arrays: query [T, H*D], keys/values [S, KVH*D] (float32, or int8
         codes), mask [T, S] float32 -> [T, H*D]."""
-        int8 = np.asarray(keys).dtype == np.int8
-        if int8 != (np.asarray(values).dtype == np.int8):
-            raise ValueError("keys and values must both be int8 codes or both float32")
-        kv_dtype = np.int8 if int8 else np.float32
-        query, mask = (np.ascontiguousarray(a, np.float32) for a in (query, mask))
-        keys, values = (np.ascontiguousarray(a, kv_dtype) for a in (keys, values))
+        query, keys, values, mask, int8 = _host_arrays(query, keys, values, mask)
         if mask.ndim != 2:
             raise ValueError(f"prefill attention rejected the shapes: mask {mask.shape} is not [T, S]")
         tokens, slots = mask.shape

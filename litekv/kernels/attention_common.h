@@ -26,6 +26,11 @@ INLINE v16 load16(const float *p) {
     return v;
 }
 
+/* Element i of a cache as a float: int8 codes or floats. */
+INLINE float element(const void *base, size_t i, int int8) {
+    return int8 ? (float)((const int8_t *)base)[i] : ((const float *)base)[i];
+}
+
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 INLINE v16 max16(v16 a, v16 b) {

@@ -222,10 +222,6 @@ DEFINE_PART(part_4_i8, 4, 3, int8_t)
 DEFINE_PART(part_8_i8, 8, 1, int8_t)
 DEFINE_PART(part_16_i8, 16, 1, int8_t)
 
-INLINE float element(const void *base, size_t i, int int8) {
-    return int8 ? (float)((const int8_t *)base)[i] : ((const float *)base)[i];
-}
-
 /* Any head_dim: the same computation one element at a time. */
 INLINE void part_any(const Job *job, Part *part) {
     const int d = job->head_dim, heads = job->heads, group = heads / job->kv_heads, n = part->hi - part->lo + 1;
@@ -424,9 +420,10 @@ static void share(State *st, int count) {
 }
 
 /* A prefill chunk's attention, its tasks shared between the threads like a decode's chunks. */
-static Status compute_prefill(State *st, const PrefillJob *job, int heads, int head_dim) {
+static Status compute_prefill(State *st, const PrefillJob *job) {
     if (!st->prefill_scratch[0]) { /* both or neither: the helper's only where it runs */
-        const size_t bytes = (sizeof(float) * prefill_scratch_floats(heads, head_dim, st->max_slots) + 63) / 64 * 64;
+        const size_t bytes = (sizeof(float) * prefill_scratch_floats(job->heads, job->head_dim, st->max_slots) + 63) /
+                             64 * 64;
         float *mine = aligned_alloc(64, bytes), *helper = st->helper_running ? aligned_alloc(64, bytes) : NULL;
         if (!mine || (st->helper_running && !helper)) {
             free(mine), free(helper);
@@ -543,22 +540,35 @@ static Status make_job(Job *job, const float *q, size_t nq, const void *k, size_
     return STATUS_OK;
 }
 
+/* An op call's query, keys, values, mask and output: their host addresses and element counts. */
+typedef struct {
+    void *q, *k, *v, *m, *o;
+    size_t nq, nk, nv, nm, no;
+} OpBuffers;
+
+static Status op_buffers(const AttentionConfig *cfg, size_t num_inputs, void *const *inputs, size_t num_outputs,
+                         void **outputs, int int8, OpBuffers *b) {
+    if (!cfg->state || num_inputs != 4 || num_outputs != 1) return STATUS_INVALID_ARGUMENT;
+    const size_t element = int8 ? 1 : sizeof(float);
+    if (buffer(cfg, inputs[0], &b->q, &b->nq, sizeof(float)) || buffer(cfg, inputs[1], &b->k, &b->nk, element) ||
+        buffer(cfg, inputs[2], &b->v, &b->nv, element) || buffer(cfg, inputs[3], &b->m, &b->nm, sizeof(float)) ||
+        buffer(cfg, outputs[0], &b->o, &b->no, sizeof(float)))
+        return STATUS_RUNTIME_FAILURE;
+    return STATUS_OK;
+}
+
 static Status run(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs, void **outputs,
                   int int8) {
     AttentionConfig *cfg = user_data;
-    State *st = cfg->state;
-    if (!st || num_inputs != 4 || num_outputs != 1) return STATUS_INVALID_ARGUMENT;
-    void *q, *k, *v, *m, *o;
-    size_t nq, nk, nv, nm, no, element = int8 ? 1 : sizeof(float);
-    if (buffer(cfg, inputs[0], &q, &nq, sizeof(float)) || buffer(cfg, inputs[1], &k, &nk, element) ||
-        buffer(cfg, inputs[2], &v, &nv, element) || buffer(cfg, inputs[3], &m, &nm, sizeof(float)) ||
-        buffer(cfg, outputs[0], &o, &no, sizeof(float)))
-        return STATUS_RUNTIME_FAILURE;
+    OpBuffers b;
+    Status status = op_buffers(cfg, num_inputs, inputs, num_outputs, outputs, int8, &b);
+    if (status != STATUS_OK) return status;
     Job job;
     /* a decode mask holds one row of S slots */
-    if (nq != no || make_job(&job, q, nq, k, nk, v, nv, int8, m, nm, cfg->head_dim, cfg->num_heads, st))
+    if (b.nq != b.no || make_job(&job, b.q, b.nq, b.k, b.nk, b.v, b.nv, int8, b.m, b.nm, cfg->head_dim,
+                                 cfg->num_heads, cfg->state))
         return STATUS_INVALID_ARGUMENT;
-    attend(st, &job, (int)nm, o);
+    attend(cfg->state, &job, (int)b.nm, b.o);
     return STATUS_OK;
 }
 
@@ -593,18 +603,14 @@ static Status make_prefill_job(PrefillJob *job, const float *q, size_t nq, const
 static Status run_prefill(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
                           void **outputs, int int8) {
     AttentionConfig *cfg = user_data;
-    State *st = cfg->state;
-    if (!st || num_inputs != 4 || num_outputs != 1) return STATUS_INVALID_ARGUMENT;
-    void *q, *k, *v, *m, *o;
-    size_t nq, nk, nv, nm, no, element = int8 ? 1 : sizeof(float);
-    if (buffer(cfg, inputs[0], &q, &nq, sizeof(float)) || buffer(cfg, inputs[1], &k, &nk, element) ||
-        buffer(cfg, inputs[2], &v, &nv, element) || buffer(cfg, inputs[3], &m, &nm, sizeof(float)) ||
-        buffer(cfg, outputs[0], &o, &no, sizeof(float)))
-        return STATUS_RUNTIME_FAILURE;
+    OpBuffers b;
+    Status status = op_buffers(cfg, num_inputs, inputs, num_outputs, outputs, int8, &b);
+    if (status != STATUS_OK) return status;
     PrefillJob job;
-    if (make_prefill_job(&job, q, nq, k, nk, v, nv, int8, m, nm, o, no, cfg->num_heads, cfg->head_dim, st))
+    if (make_prefill_job(&job, b.q, b.nq, b.k, b.nk, b.v, b.nv, int8, b.m, b.nm, b.o, b.no, cfg->num_heads,
+                         cfg->head_dim, cfg->state))
         return STATUS_INVALID_ARGUMENT;
-    return compute_prefill(st, &job, cfg->num_heads, cfg->head_dim);
+    return compute_prefill(cfg->state, &job);
 }
 
 static Status op_run_prefill(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
@@ -692,5 +698,5 @@ int litekv_prefill_attention_run(AttentionConfig *cfg, const float *query, const
     PrefillJob job;
     Status status = make_prefill_job(&job, query, nq, keys, nk, values, nk, int8, mask, (size_t)tokens * slots, out, nq,
                                      cfg->num_heads, cfg->head_dim, cfg->state);
-    return status == STATUS_OK ? compute_prefill(cfg->state, &job, cfg->num_heads, cfg->head_dim) : status;
+    return status == STATUS_OK ? compute_prefill(cfg->state, &job) : status;
 }

@@ -227,10 +227,6 @@ DEFINE_TASK(task_4, 4)
 DEFINE_TASK(task_8, 8)
 DEFINE_TASK(task_16, 16)
 
-INLINE float element(const void *base, size_t i, int int8) {
-    return int8 ? (float)((const int8_t *)base)[i] : ((const float *)base)[i];
-}
-
 /* Any head_dim: the same computation one element at a time, row by row. */
 INLINE void task_any(const PrefillJob *job, const Tile *t, float *scratch) {
     const int d = job->head_dim, n = t->hi - t->lo + 1;
