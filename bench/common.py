@@ -4,7 +4,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,6 +16,15 @@ from litekv.catalog import cache_dir, checkpoint_path
 from litekv.converters.convert import ConvertOptions, convert
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def compile_c(output: Path, *arguments: str) -> Path:
+    """Builds a benchmark's C program with $CC, cc or gcc (the llama.cpp peer build needs one too)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        sys.exit(f"{output.name}: no C compiler found (install gcc, or set CC)")
+    subprocess.run([compiler, *arguments, "-o", str(output)], check=True)
+    return output
 
 
 def converter_fingerprint() -> str:

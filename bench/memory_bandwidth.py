@@ -13,13 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from common import markdown_table, save
+from common import compile_c, markdown_table, save
 
 SOURCE = Path(__file__).with_name("memory_bandwidth.c")
 SIZES_MIB = (128, 515, 1024)  # 134 MB (int8 weights), 540 MB (fp32 weights), 1.07 GB
@@ -27,12 +25,7 @@ PREFETCH_FLOATS = (0, 4096)
 
 
 def build(directory: Path) -> Path:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        sys.exit("memory_bandwidth: no C compiler found (install gcc, or set CC)")
-    binary = directory / "memory_bandwidth"
-    subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", str(SOURCE), "-o", str(binary)], check=True)
-    return binary
+    return compile_c(directory / "memory_bandwidth", "-O3", "-march=native", "-fopenmp", str(SOURCE))
 
 
 def main() -> None:

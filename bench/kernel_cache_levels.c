@@ -1,0 +1,82 @@
+/* The int8 decode-attention kernel outside any model, with its cache in L2, in L3 or coming from
+ * memory, against one core reading the same bytes with no arithmetic.
+ *
+ * Usage: kernel_cache_levels SLOTS THREADS SETS LAYERS REPEATS
+ *   Allocates SETS x LAYERS page-aligned int8 caches (SmolLM2: 9 query and 3 KV heads, head_dim 64,
+ *   SLOTS rows each for keys and values) and times LAYERS consecutive calls, each on the next
+ *   layer's cache, the sets taking turns. SETS 1 LAYERS 1 keeps one layer in L2; SETS 1 LAYERS 30
+ *   keeps 30 layers (23.6 MB at 2,048 slots) in the L3; SETS 8 reads from memory.
+ * Prints one JSON line: the best time of REPEATS for the LAYERS calls, and for the read loop.
+ * Built by kernel_cache_levels.py, against the kernel's own sources. */
+#include "decode_attention.c"
+
+#include <stdio.h>
+
+#define HEADS 9
+#define KV_HEADS 3
+#define HEAD_DIM 64
+
+static double best_of(double best, double start) {
+    const double t = seconds() - start;
+    return t < best ? t : best;
+}
+
+/* Reads every 64-byte line of n bytes (n a multiple of 64); returns a value that depends on all of
+ * them. Wide loads where the CPU has them, so the loop is bound by the reads. */
+typedef long long Line __attribute__((vector_size(64)));
+__attribute__((target_clones("avx512f", "default"))) static long long read_all(const int8_t *p, size_t n) {
+    Line sum = {0};
+    for (size_t i = 0; i < n; i += 64) {
+        Line line;
+        memcpy(&line, p + i, sizeof line);
+        sum += line;
+    }
+    long long total = 0;
+    for (int j = 0; j < 8; j++) total += sum[j];
+    return total;
+}
+
+int main(int argc, char **argv) {
+    if (argc != 6) {
+        fprintf(stderr, "usage: %s SLOTS THREADS SETS LAYERS REPEATS\n", argv[0]);
+        return 2;
+    }
+    const int slots = atoi(argv[1]), threads = atoi(argv[2]), sets = atoi(argv[3]), layers = atoi(argv[4]),
+              repeats = atoi(argv[5]);
+    if (slots < 16 || threads < 1 || sets < 1 || layers < 1 || repeats < 1) return 2;
+    const size_t bytes = (size_t)slots * KV_HEADS * HEAD_DIM, count = (size_t)sets * layers;
+    int8_t **keys = calloc(count, sizeof *keys), **values = calloc(count, sizeof *values);
+    float query[HEADS * HEAD_DIM], out[HEADS * HEAD_DIM], *mask = calloc((size_t)slots, sizeof(float));
+    if (!keys || !values || !mask) return 1;
+    srand(1);
+    for (size_t l = 0; l < count; l++) {
+        keys[l] = aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+        values[l] = aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+        if (!keys[l] || !values[l]) return 1;
+        for (size_t i = 0; i < bytes; i++) keys[l][i] = (int8_t)(rand() % 255 - 127), values[l][i] = (int8_t)(rand() % 255 - 127);
+    }
+    for (int i = 0; i < HEADS * HEAD_DIM; i++) query[i] = (float)(rand() % 1000 - 500) * 1e-4f;
+    AttentionConfig cfg = {0};
+    cfg.head_dim = HEAD_DIM, cfg.threads = threads, cfg.max_slots = slots, cfg.num_heads = HEADS, cfg.int8_dot = 1;
+    double kernel = 1e9, reading = 1e9;
+    long long sink = 0;
+    for (int r = 0; r < repeats; r++) { /* the sets in turns: a set is cold again after SETS - 1 others */
+        const size_t first = (size_t)(r % sets) * layers;
+        const double start = seconds();
+        for (size_t l = first; l < first + (size_t)layers; l++)
+            if (litekv_attention_run(&cfg, query, keys[l], values[l], mask, out, HEADS, KV_HEADS, slots, 1) != 0) return 1;
+        kernel = best_of(kernel, start);
+    }
+    for (int r = 0; r < repeats; r++) { /* the same bytes in the same turns, one core, no arithmetic */
+        const size_t first = (size_t)(r % sets) * layers;
+        const double start = seconds();
+        for (size_t l = first; l < first + (size_t)layers; l++) sink += read_all(keys[l], bytes) + read_all(values[l], bytes);
+        reading = best_of(reading, start);
+    }
+    const int int8_dot = ((State *)cfg.state)->int8_dot;
+    litekv_attention_release(&cfg);
+    printf("{\"slots\": %d, \"threads\": %d, \"sets\": %d, \"layers\": %d, \"int8_dot\": %d, \"kernel_ms\": %.4f, "
+           "\"read_ms\": %.4f, \"sink\": %llu}\n",
+           slots, threads, sets, layers, int8_dot, 1e3 * kernel, 1e3 * reading, (unsigned long long)(sink & 1));
+    return 0;
+}

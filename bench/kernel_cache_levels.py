@@ -1,0 +1,66 @@
+"""The int8 decode-attention kernel outside any model: its time per call with the cache in L2, in
+the L3 or coming from memory, on one and two threads, beside one core reading the same bytes.
+
+This separates the kernel's arithmetic (the cache in L2) from its misses (from memory), and both
+from what a call inside the model adds (`bench/attention_threads.py`). Compiles
+bench/kernel_cache_levels.c against litekv/kernels with the flags pyproject.toml builds them with
+(needs a C compiler). SmolLM2 shapes: 9 query and 3 KV heads, head_dim 64.
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/kernel_cache_levels.py
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import tomllib
+from pathlib import Path
+
+from common import compile_c, markdown_table, save
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = Path(__file__).with_name("kernel_cache_levels.c")
+LEVELS = (("L2 (one layer repeated)", 1, 1, 3000), ("L3 (30 layers)", 1, 30, 200), ("memory (8 × 30 layers)", 8, 30, 200))
+
+
+def build(directory: Path) -> Path:
+    extension = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["ext-modules"][0]
+    kernels = ROOT / "litekv" / "kernels"
+    sources = [str(ROOT / s) for s in extension["sources"] if not s.endswith("decode_attention.c")]  # included
+    return compile_c(directory / "kernel_cache_levels", *extension["extra-compile-args"], "-w", "-Wno-psabi",
+                     f"-I{kernels}", str(SOURCE), *sources, "-lm")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--slots", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    runs: dict[tuple, list[dict]] = {(name, threads): [] for name, *_ in LEVELS for threads in (1, 2)}
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = build(Path(tmp))
+        for _ in range(args.rounds):
+            for name, sets, layers, repeats in LEVELS:
+                for threads in (1, 2):
+                    out = subprocess.run([str(binary), str(args.slots), str(threads), str(sets), str(layers),
+                                          str(repeats)], capture_output=True, text=True, check=True)
+                    runs[(name, threads)].append(json.loads(out.stdout))
+    rows, results = [], []
+    for (name, threads), got in runs.items():
+        layers = got[0]["layers"]
+        per_call = statistics.median(r["kernel_ms"] for r in got) * 1e3 / layers
+        read = statistics.median(r["read_ms"] for r in got) * 1e3 / layers
+        rows.append([name, threads, f"{per_call:.1f}", f"{read:.1f}" if threads == 1 else "",
+                     "yes" if got[0]["int8_dot"] else "no"])
+        results.append({"level": name, "threads": threads, "kernel_us_per_call": per_call,
+                        "one_core_read_us_per_call": read, "runs": got})
+    print(f"{args.slots} slots, µs per call (median of {args.rounds} rounds of best-of):")
+    print(markdown_table(["cache in", "kernel threads", "kernel µs per call", "one core reading the same bytes, µs",
+                          "integer dot products"], rows))
+    save("kernel_cache_levels", {"slots": args.slots, "rounds": args.rounds, "results": results})
+
+
+if __name__ == "__main__":
+    main()
