@@ -6,7 +6,10 @@
  *   SLOTS rows each for keys and values) and times LAYERS consecutive calls, each on the next
  *   layer's cache, the sets taking turns. SETS 1 LAYERS 1 keeps one layer in L2; SETS 1 LAYERS 30
  *   keeps 30 layers (23.6 MB at 2,048 slots) in the L3; SETS 8 reads from memory.
- * Prints one JSON line: the best time of REPEATS for the LAYERS calls, and for the read loop.
+ * Prints one JSON line: the best time of REPEATS for the LAYERS calls, and for the read loop; on
+ * CPUs with AVX-512 VNNI also how many 512-bit vpdpbusd / vpdpwssd one core retires per second,
+ * which with the kernel's count of them (slots x heads x head_dim / 16 per call) bounds its
+ * arithmetic.
  * Built by kernel_cache_levels.py, against the kernel's own sources. */
 #include "decode_attention.c"
 
@@ -35,6 +38,33 @@ __attribute__((target_clones("avx512f", "default"))) static long long read_all(c
     for (int j = 0; j < 8; j++) total += sum[j];
     return total;
 }
+
+#if LITEKV_INT8_DOT
+#include <immintrin.h>
+/* Independent chains of the kernel's two instructions in its mix (vpdpbusd for scores, vpdpwssd
+ * for values, as many of each), enough to cover their latency: one core's throughput. */
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static double vnni_per_second(void) {
+    enum { CHAINS = 12, ROUNDS = 500000 };
+    __m512i acc[CHAINS];
+    const __m512i a = _mm512_set1_epi32(0x01020304), b = _mm512_set1_epi32(0x05060708);
+    for (int i = 0; i < CHAINS; i++) acc[i] = _mm512_set1_epi32(i);
+    double best = 0.0;
+    for (int repeat = 0; repeat < 20; repeat++) {
+        const double start = seconds();
+        for (int r = 0; r < ROUNDS; r++) {
+            for (int i = 0; i < CHAINS; i += 2) {
+                acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+                acc[i + 1] = _mm512_dpwssd_epi32(acc[i + 1], a, b);
+            }
+            __asm__ volatile("" : "+v"(acc[0]), "+v"(acc[1]), "+v"(acc[2]), "+v"(acc[3]), "+v"(acc[4]), "+v"(acc[5]),
+                             "+v"(acc[6]), "+v"(acc[7]), "+v"(acc[8]), "+v"(acc[9]), "+v"(acc[10]), "+v"(acc[11]));
+        }
+        const double rate = (double)CHAINS * ROUNDS / (seconds() - start);
+        best = rate > best ? rate : best;
+    }
+    return best;
+}
+#endif
 
 int main(int argc, char **argv) {
     if (argc != 6) {
@@ -75,8 +105,12 @@ int main(int argc, char **argv) {
     }
     const int int8_dot = ((State *)cfg.state)->int8_dot;
     litekv_attention_release(&cfg);
+    double vnni = 0.0;
+#if LITEKV_INT8_DOT
+    if (int8_dot) vnni = vnni_per_second();
+#endif
     printf("{\"slots\": %d, \"threads\": %d, \"sets\": %d, \"layers\": %d, \"int8_dot\": %d, \"kernel_ms\": %.4f, "
-           "\"read_ms\": %.4f, \"sink\": %llu}\n",
-           slots, threads, sets, layers, int8_dot, 1e3 * kernel, 1e3 * reading, (unsigned long long)(sink & 1));
+           "\"read_ms\": %.4f, \"vnni_per_second\": %.4g, \"sink\": %llu}\n",
+           slots, threads, sets, layers, int8_dot, 1e3 * kernel, 1e3 * reading, vnni, (unsigned long long)(sink & 1));
     return 0;
 }

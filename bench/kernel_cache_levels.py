@@ -1,5 +1,6 @@
 """The int8 decode-attention kernel outside any model: its time per call with the cache in L2, in
-the L3 or coming from memory, on one and two threads, beside one core reading the same bytes.
+the L3 or coming from memory, on one and two threads, beside one core reading the same bytes and
+the time one core needs for the kernel's dot-product instructions alone.
 
 This separates the kernel's arithmetic (the cache in L2) from its misses (from memory), and both
 from what a call inside the model adds (`bench/attention_threads.py`). Compiles
@@ -22,6 +23,7 @@ from common import compile_c, markdown_table, save
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = Path(__file__).with_name("kernel_cache_levels.c")
+HEADS, HEAD_DIM = 9, 64  # what kernel_cache_levels.c builds
 LEVELS = (("L2 (one layer repeated)", 1, 1, 3000), ("L3 (30 layers)", 1, 30, 200), ("memory (8 × 30 layers)", 8, 30, 200))
 
 
@@ -56,10 +58,20 @@ def main() -> None:
                      "yes" if got[0]["int8_dot"] else "no"])
         results.append({"level": name, "threads": threads, "kernel_us_per_call": per_call,
                         "one_core_read_us_per_call": read, "runs": got})
+    # The integer path issues slots x heads x head_dim / 16 512-bit dot-product instructions per call:
+    # two digits of the query against 4 key bytes each, and int16 numerators against value pairs.
+    rate = max(r["vnni_per_second"] for got in runs.values() for r in got)  # the best: a floor must not be noisy
+    instructions = args.slots * HEADS * HEAD_DIM // 16
+    floor = 1e6 * instructions / rate if rate else None
+    if floor:
+        print(f"one core retires {rate / 1e9:.2f} G vpdpbusd/vpdpwssd per second: the kernel's {instructions:,} per "
+              f"call take at least {floor:.1f} µs on one core")
     print(f"{args.slots} slots, µs per call (median of {args.rounds} rounds of best-of):")
     print(markdown_table(["cache in", "kernel threads", "kernel µs per call", "one core reading the same bytes, µs",
                           "integer dot products"], rows))
-    save("kernel_cache_levels", {"slots": args.slots, "rounds": args.rounds, "results": results})
+    save("kernel_cache_levels", {"slots": args.slots, "rounds": args.rounds, "dot_products_per_second": rate,
+                                 "dot_products_per_call": instructions, "arithmetic_floor_us": floor,
+                                 "results": results})
 
 
 if __name__ == "__main__":
