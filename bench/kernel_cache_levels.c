@@ -109,8 +109,9 @@ int main(int argc, char **argv) {
 #if LITEKV_INT8_DOT
     if (int8_dot) vnni = vnni_per_second();
 #endif
-    printf("{\"slots\": %d, \"threads\": %d, \"sets\": %d, \"layers\": %d, \"int8_dot\": %d, \"kernel_ms\": %.4f, "
+    printf("{\"heads\": %d, \"head_dim\": %d, \"slots\": %d, \"threads\": %d, \"sets\": %d, \"layers\": %d, "
+           "\"int8_dot\": %d, \"kernel_ms\": %.4f, "
            "\"read_ms\": %.4f, \"vnni_per_second\": %.4g, \"sink\": %llu}\n",
-           slots, threads, sets, layers, int8_dot, 1e3 * kernel, 1e3 * reading, vnni, (unsigned long long)(sink & 1));
+           HEADS, HEAD_DIM, slots, threads, sets, layers, int8_dot, 1e3 * kernel, 1e3 * reading, vnni, (unsigned long long)(sink & 1));
     return 0;
 }

@@ -97,19 +97,20 @@ class ConvertOptions:
     def plan(self) -> QuantPlan:
         return QuantPlan.named(self.quantize, self.lm_head, self.embedding)
 
+    def _attention_kind(self, choice: str | None) -> str:
+        """What the manifest records for one kind of entry point: "kernel" by default on LiteRT,
+        "graph" for ONNX (GroupQueryAttention attends in the graph)."""
+        return "graph" if self.backend == "onnx" else choice or "kernel"
+
     @property
     def attention_kind(self) -> str:
-        """What the manifest records: the LiteRT decode attention, "graph" for ONNX."""
-        if self.backend == "onnx":
-            return "graph"
-        return self.decode_attention or "kernel"
+        """The decode steps' attention."""
+        return self._attention_kind(self.decode_attention)
 
     @property
     def prefill_attention_kind(self) -> str:
-        """What the manifest records for prefill chunks: "kernel" by default on LiteRT."""
-        if self.backend == "onnx":
-            return "graph"
-        return self.prefill_attention or "kernel"
+        """The prefill chunks' attention."""
+        return self._attention_kind(self.prefill_attention)
 
     @property
     def lora(self) -> LoraSpec | None:
