@@ -74,6 +74,8 @@ def int8_case(heads, kv_heads, head_dim, slots, live, window=None):
     (6, 6, 16, 32, 20, None),     # no integer path for head_dim 16: the codes are widened
     (9, 3, 64, 1500, 1401, None),  # six chunks, an odd count of slots
     (4, 1, 256, 700, 600, 513),   # Gemma's heads and sliding window
+    (10, 2, 64, 260, 259, None),  # five query heads per KV head: a batch of four, then one
+    (4, 2, 128, 96, 90, None),    # two per KV head, two 64-dimension segments
 ])
 @pytest.mark.parametrize("threads", [1, 2], ids=["one thread", "two threads"])
 @pytest.mark.parametrize("int8_dot", [True, False], ids=["integer dot products", "codes widened to floats"])

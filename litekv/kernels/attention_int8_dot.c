@@ -136,19 +136,24 @@ TARGET static void scores(const Job *job, const Part *part, const Digits *q, flo
     }
 }
 
-/* acc[h * D + c + dimension] += the int32 sums of heads h0..h0+gb-1, whose lane order is that of
- * unpacking the two halves of a 64-dimension segment (see `values`). */
+/* acc[h * D + c + dimension] += the int32 sums of heads h0..h0+gb-1. Their lane order is that of
+ * unpacking the two halves of a 64-dimension segment (see `values`): lane 4L + t of sums m and m + 1
+ * (m even) holds dimensions 32 (m / 2) + 8L + t and + 4 + t, so one two-source permute per 16
+ * dimensions puts them in order. */
 TARGET static inline __attribute__((always_inline)) void flush(float *acc, int d, int h0, int gb, int c,
                                                                __m512i sums[VALUE_HEADS][4]) {
-#pragma GCC unroll 16
-    for (int g = 0; g < gb; g++)
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
 #pragma GCC unroll 4
-        for (int m = 0; m < 4; m++) {
-            int32_t lane[16];
-            _mm512_storeu_si512(lane, sums[g][m]);
-            float *out = acc + (size_t)(h0 + g) * d + c + 32 * (m / 2) + 4 * (m % 2);
-            for (int i = 0; i < 16; i++) out[8 * (i / 4) + i % 4] += (float)lane[i];
-            sums[g][m] = _mm512_setzero_si512();
+    for (int g = 0; g < gb; g++)
+#pragma GCC unroll 2
+        for (int m = 0; m < 4; m += 2) {
+            float *out = acc + (size_t)(h0 + g) * d + c + 32 * (m / 2);
+            const __m512i lower = _mm512_permutex2var_epi32(sums[g][m], first, sums[g][m + 1]);
+            const __m512i upper = _mm512_permutex2var_epi32(sums[g][m], second, sums[g][m + 1]);
+            _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), _mm512_cvtepi32_ps(lower)));
+            _mm512_storeu_ps(out + 16, _mm512_add_ps(_mm512_loadu_ps(out + 16), _mm512_cvtepi32_ps(upper)));
+            sums[g][m] = sums[g][m + 1] = _mm512_setzero_si512();
         }
 }
 
@@ -190,6 +195,24 @@ TARGET static inline __attribute__((always_inline)) void values(const Job *job, 
     }
 }
 
+/* part->acc = numerators x values, all heads. Without tree-PRE: with it GCC 12 copies each of the
+ * loop's sums to another register and back every pair, which costs more than the dot products. */
+TARGET __attribute__((noinline, optimize("no-tree-pre"))) static void weighted_values(const Job *job, Part *part) {
+    const int d = job->head_dim, group = job->heads / job->kv_heads;
+    memset(part->acc, 0, sizeof(float) * (size_t)job->heads * d);
+    for (int kv = 0; kv < job->kv_heads; kv++)
+        for (int c = 0; c < d; c += 64)
+            for (int g0 = 0; g0 < group; g0 += VALUE_HEADS) {
+                const int h0 = kv * group + g0;
+                switch (group - g0 < VALUE_HEADS ? group - g0 : VALUE_HEADS) {
+                case 1: values(job, part, kv, h0, 1, c); break;
+                case 2: values(job, part, kv, h0, 2, c); break;
+                case 3: values(job, part, kv, h0, 3, c); break;
+                default: values(job, part, kv, h0, 4, c); break;
+                }
+            }
+}
+
 TARGET void int8_dot_digits(const Job *job, Digits *out) {
     const int d = job->head_dim;
     for (int h = 0; h < job->heads; h++)
@@ -198,7 +221,7 @@ TARGET void int8_dot_digits(const Job *job, Digits *out) {
 }
 
 TARGET void attend_part_int8_dot(const Job *job, Part *part) {
-    const int d = job->head_dim, heads = job->heads, group = heads / job->kv_heads, n = part->hi - part->lo + 1;
+    const int heads = job->heads, n = part->hi - part->lo + 1;
     float tops[16 * heads]; /* per head, the largest of its masked scores so far in each lane */
     for (int i = 0; i < 16 * heads; i++) tops[i] = MASKED_BELOW * 2.0f;
     scores(job, part, job->digits, tops);
@@ -215,18 +238,7 @@ TARGET void attend_part_int8_dot(const Job *job, Part *part) {
         part->max[h] = top;
         part->sum[h] = (float)total;
     }
-    memset(part->acc, 0, sizeof(float) * (size_t)heads * d);
-    for (int kv = 0; kv < job->kv_heads; kv++)
-        for (int c = 0; c < d; c += 64)
-            for (int g0 = 0; g0 < group; g0 += VALUE_HEADS) {
-                const int h0 = kv * group + g0;
-                switch (group - g0 < VALUE_HEADS ? group - g0 : VALUE_HEADS) {
-                case 1: values(job, part, kv, h0, 1, c); break;
-                case 2: values(job, part, kv, h0, 2, c); break;
-                case 3: values(job, part, kv, h0, 3, c); break;
-                default: values(job, part, kv, h0, 4, c); break;
-                }
-            }
+    weighted_values(job, part);
 }
 
 #endif
