@@ -85,9 +85,9 @@ TARGET static inline int32_t word(const void *p) {
  * the transposed keys stay in registers. top[16 h + lane] keeps head h's largest score in that lane,
  * so the softmax needs no pass of its own to find the maximum. */
 TARGET static inline __attribute__((always_inline)) void score_block(const Job *job, const Part *part, int s0,
-                                                                     int rows, int kv, const Digits *q, int chunks,
-                                                                     float *top) {
-    const int d = job->head_dim, group = job->heads / job->kv_heads, row = job->row;
+                                                                     int rows, int kv, int group, const Digits *q,
+                                                                     int chunks, float *top) {
+    const int d = job->head_dim, row = job->row;
     const int8_t *keys = (const int8_t *)job->keys + kv * d;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512i col[4][BLOCK];
@@ -124,17 +124,17 @@ TARGET static inline __attribute__((always_inline)) void score_block(const Job *
 /* The masked scores of slots part->lo..hi into job->scores, a block of 16 slots at a time, and
  * their lane maxima into top. */
 TARGET static void scores(const Job *job, const Part *part, const Digits *q, float *top) {
-    const int row = job->row, n = part->hi - part->lo + 1;
+    const int row = job->row, n = part->hi - part->lo + 1, group = job->heads / job->kv_heads;
     for (int i0 = 0; i0 < n; i0 += BLOCK) {
         const int rows = n - i0 < BLOCK ? n - i0 : BLOCK, s0 = part->lo + i0;
-        for (int r = 0; r < BLOCK; r++)
-            for (int b = 0; b < row; b += 64)
-                _mm_prefetch((const char *)job->keys + (size_t)(s0 + PREFETCH_ROWS + r) * row + b, _MM_HINT_T1);
+        /* the rows PREFETCH_ROWS on, all KV heads: one contiguous span */
+        const char *ahead = (const char *)job->keys + (size_t)(s0 + PREFETCH_ROWS) * row;
+        for (int b = 0; b < BLOCK * row; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
         for (int kv = 0; kv < job->kv_heads; kv++) switch (job->head_dim / 64) {
-            case 1: score_block(job, part, s0, rows, kv, q, 1, top); break;
-            case 2: score_block(job, part, s0, rows, kv, q, 2, top); break;
-            case 3: score_block(job, part, s0, rows, kv, q, 3, top); break;
-            default: score_block(job, part, s0, rows, kv, q, 4, top); break;
+            case 1: score_block(job, part, s0, rows, kv, group, q, 1, top); break;
+            case 2: score_block(job, part, s0, rows, kv, group, q, 2, top); break;
+            case 3: score_block(job, part, s0, rows, kv, group, q, 3, top); break;
+            default: score_block(job, part, s0, rows, kv, group, q, 4, top); break;
             }
     }
 }
