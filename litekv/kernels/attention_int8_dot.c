@@ -21,6 +21,10 @@
 #define BLOCK 16
 #define FLUSH_PAIRS 128 /* |pair sum| <= 2 * 32767 * 127: 256 pairs fit an int32 */
 #define VALUE_HEADS 4   /* query heads whose value sums stay in registers at once */
+/* The value pass takes a row in about a third of the time the scores do, so it prefetches further
+ * ahead than PREFETCH_ROWS for the same lead in time (in the model: 32 rows 69 us per call, 48 rows
+ * 64, 64 rows 62, 96 rows 60; fifth round of bench/PERFORMANCE.md). */
+#define VALUE_PREFETCH_ROWS 64
 #define SCORE_DIGIT 16256.0f /* 127 * 128: the largest |query| as a two-digit number */
 #define NUMERATOR_ONE 32767.0f
 
@@ -177,8 +181,8 @@ TARGET static inline __attribute__((always_inline)) void values(const Job *job, 
         const int end = pairs - i0 < FLUSH_PAIRS ? pairs : i0 + FLUSH_PAIRS;
         for (int i = i0; i < end; i++) {
             const int8_t *a = base + (size_t)2 * i * row, *b = 2 * i + 1 < n ? a + row : a; /* b weighs 0 then */
-            _mm_prefetch((const char *)a + (size_t)PREFETCH_ROWS * row, _MM_HINT_T1);
-            _mm_prefetch((const char *)a + (size_t)(PREFETCH_ROWS + 1) * row, _MM_HINT_T1);
+            _mm_prefetch((const char *)a + (size_t)VALUE_PREFETCH_ROWS * row, _MM_HINT_T1);
+            _mm_prefetch((const char *)a + (size_t)(VALUE_PREFETCH_ROWS + 1) * row, _MM_HINT_T1);
             const __m512i a_lo = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void *)a));
             const __m512i a_hi = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void *)(a + 32)));
             const __m512i b_lo = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void *)b));
