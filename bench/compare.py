@@ -62,6 +62,11 @@ def systems() -> list[System]:
             name = f"litekv {label} {quantize}" + ("" if kv == "fp32" else f" + {kv} KV")
             out.append(System(name, cls, MAIN_PYTHON, ["bench/peers/run_litekv.py", "--backend", backend,
                                                        "--quantize", quantize, "--kv-cache", kv], litekv=True))
+    # The 4-bit peers' own LM-head class: onnxruntime-genai's head is 4-bit, litekv's int4 default
+    # keeps the GGUF's 8-bit one. The quality column shows what each choice costs.
+    out.append(System("litekv LiteRT int4 + int8 KV + int4 head", "4-bit", MAIN_PYTHON,
+                      ["bench/peers/run_litekv.py", "--backend", "litert", "--quantize", "int4", "--kv-cache", "int8",
+                       "--lm-head", "int4"], litekv=True))
     from litekv.catalog import checkpoint_path
     q41, f32 = Path(checkpoint_path()), PEER_CACHE / "SmolLM2-135M-Instruct.F32.gguf"
     llama_py = PEERS / ".venv" / "bin" / "python"
