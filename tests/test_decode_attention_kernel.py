@@ -50,7 +50,7 @@ def case(heads, kv_heads, head_dim, slots, live, window=None, seed=0):
     (9, 3, 64, 512, 1, None),     # the first token
     (6, 6, 16, 32, 20, None),     # no grouping, a head_dim without a vector path
     (8, 2, 128, 300, 290, 100),   # head_dim 128, a window inside the second chunk
-    (9, 3, 64, 1100, 1001, None),  # five chunks, the last of one slot
+    (9, 3, 64, 1200, 1153, None),  # four chunks, the last of one slot
     (8, 2, 128, 1024, 900, 500),  # a window that starts inside a chunk
 ])
 @pytest.mark.parametrize("threads", [1, 2], ids=["one thread", "two threads"])
@@ -72,7 +72,7 @@ def int8_case(heads, kv_heads, head_dim, slots, live, window=None):
     (4, 1, 256, 128, 100, None),
     (8, 2, 128, 300, 290, 100),
     (6, 6, 16, 32, 20, None),     # no integer path for head_dim 16: the codes are widened
-    (9, 3, 64, 1500, 1401, None),  # six chunks, an odd count of slots
+    (9, 3, 64, 1500, 1401, None),  # four chunks, the last of an odd count of slots
     (4, 1, 256, 700, 600, 513),   # Gemma's heads and sliding window
     (10, 2, 64, 260, 259, None),  # five query heads per KV head: a batch of four, then one
     (4, 2, 128, 96, 90, None),    # two per KV head, two 64-dimension segments
@@ -261,7 +261,7 @@ def test_two_threads_agree_with_one_over_many_calls_of_any_length():
 
 
 def test_stats_count_calls_chunks_and_the_helpers_share():
-    """The counters a profile reads: every call, its 256-slot chunks, the chunks the helper
+    """The counters a profile reads: every call, its 384-slot chunks, the chunks the helper
     thread took (none with one thread; with two, all chunks are accounted for by the two), and the
     calls it joined with how late."""
     slots = 2048

@@ -162,7 +162,7 @@ def test_attention_stats_count_every_layers_call(split_bucket_executor):
 
 
 def test_the_attention_kernel_takes_its_own_thread_count():
-    """attention_threads=1 beside XNNPACK's 2: calls of several 256-slot chunks, none for a helper."""
+    """attention_threads=1 beside XNNPACK's 2: calls of several 384-slot chunks, none for a helper."""
     from litekv.bundle import read_manifest
     from litekv.executor.litert_executor import LiteRTExecutor
 
