@@ -58,10 +58,16 @@ class TFLiteWeights:
                 q, scales, _ = ops.int4_weights(name, parts)
                 self._consts[name] = self.writer.add_blockwise_int4(q, scales, name, self.plan.block_size)
             elif fmt == "int8":
-                q, scales = int8_per_channel(ops.stacked(parts))
-                self._consts[name] = self.writer.add_constant(q, name, "int8", PerChannelQuant(tuple(scales), axis=0))
+                return self.int8(name, ops.stacked(parts))
             else:
                 self._consts[name] = self.writer.add_constant(ops.stacked(parts), name, "float32")
+        return self._consts[name]
+
+    def int8(self, name: str, w: np.ndarray) -> Constant:
+        """w [out, in] as int8 codes with one scale per output row."""
+        if name not in self._consts:
+            q, scales = int8_per_channel(w)
+            self._consts[name] = self.writer.add_constant(q, name, "int8", PerChannelQuant(tuple(scales), axis=0))
         return self._consts[name]
 
     def dense(self, name: str, w: np.ndarray) -> Constant:
@@ -197,6 +203,20 @@ class TFLiteOps(GraphOps):
     def matmul_const(self, x: Sym, name: str, w: np.ndarray) -> Sym:
         const = self.store.dense(name, w)
         return self._op("FULLY_CONNECTED", [x, self.sg.use(const), -1], (*x.shape[:-1], w.shape[0]),
+                        keep_num_dims=True)
+
+    def block_sums(self, x: Sym) -> Sym:
+        # Not by a membership matmul: XNNPACK packs its own copy of a constant for each op that
+        # uses it, so 120 projections would read 18 MB of 0/1 matrices per step. A sum reads none.
+        blocks = x.shape[-1] // self.plan.block_size
+        grouped = self.reshape(x, (*x.shape[:-1], blocks, self.plan.block_size))
+        return self.reshape(self.reduce_sum_last(grouped), (*x.shape[:-1], blocks))
+
+    def block_offsets(self, sums: Sym, name: str, offsets: np.ndarray) -> Sym:
+        # int8 codes per output row: a quarter of the float bytes (13 MB per SmolLM2 step in fp32).
+        # Their rounding (1/254 of a row's largest offset) is far below that of the int8 activations.
+        const = self.store.int8(f"{name}.offsets", offsets)
+        return self._op("FULLY_CONNECTED", [sums, self.sg.use(const), -1], (*sums.shape[:-1], offsets.shape[0]),
                         keep_num_dims=True)
 
     def matmul_input(self, x: Sym, w: Sym) -> Sym:

@@ -229,18 +229,24 @@ class GraphOps(ABC):
         if self.plan.format_for(name) != "int4":
             return y
         offsets = self.int4_weights(name, parts)[2]
+        return self.binary("add", y, self.block_offsets(self.block_sums(x), name, offsets))
+
+    def block_sums(self, x: Sym) -> Sym:
+        """The sums of x over each int4 block of its last axis: [.., width] -> [.., width / block]."""
         width, block = x.shape[-1], self.plan.block_size
         blocks = width // block
         if blocks <= MEMBERSHIP_MAX_BLOCKS:
             # One matmul by a 0/1 block-membership matrix shared by every projection of this
-            # width: three ops per projection instead of five, and a one-token step pays per op.
-            # The matrix is blocks x width floats, so wide inputs use reshape + sum instead.
+            # width: one op instead of three, and a one-token step pays per op. The matrix is
+            # blocks x width floats, so wide inputs use reshape + sum instead.
             membership = np.kron(np.eye(blocks, dtype=np.float32), np.ones((1, block), np.float32))
-            sums = self.matmul_const(x, f"int4.block_sums.{width}.{block}", membership)
-        else:
-            grouped = self.reshape(x, (*x.shape[:-1], blocks, block))
-            sums = self.reshape(self.reduce_sum_last(grouped), (*x.shape[:-1], blocks))
-        return self.binary("add", y, self.matmul_const(sums, f"{name}.offsets", offsets))
+            return self.matmul_const(x, f"int4.block_sums.{width}.{block}", membership)
+        grouped = self.reshape(x, (*x.shape[:-1], blocks, block))
+        return self.reshape(self.reduce_sum_last(grouped), (*x.shape[:-1], blocks))
+
+    def block_offsets(self, sums: Sym, name: str, offsets: np.ndarray) -> Sym:
+        """The int4 offsets' share of a projection: sums [.., blocks] @ offsets[out, blocks]^T."""
+        return self.matmul_const(sums, f"{name}.offsets", offsets)
 
     def linears(self, x: Sym, names: Sequence[str]) -> tuple[Sym, ...]:
         fused_name = "+".join(names)
