@@ -140,3 +140,21 @@ def test_quantized_graph_computes_its_dequantized_weights(arch, backend, quantiz
         assert error < 2.5e-2, error  # what int8 activations inside the kernels cost
         if quantize == "int4":  # int4 weights differ from fp32 ~10x more than the kernels' rounding
             assert error < relative_error(unquantized, expected) / 4
+
+
+def test_tflite_int4_projections_read_no_float_matrices():
+    """XNNPACK packs its own copy of a constant for every op that uses it, so a float32 matrix
+    shared by every int4 projection (the 0/1 block-membership matmul) is read once per projection
+    per step, and float32 offsets are 4x the bytes of int8 ones: 31 MB of a 101 MB SmolLM2 int4
+    step. The block sums are a reshape and a sum, and the offsets are int8 codes."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAs((bundle("llama", "litert", "int4") / "model.tflite").read_bytes(), 0))
+    decode = next(model.subgraphs[s.subgraphIndex] for s in model.signatureDefs if s.signatureKey == b"decode")
+    fully_connected = [i for i, code in enumerate(model.operatorCodes)
+                       if code.builtinCode == schema.BuiltinOperator.FULLY_CONNECTED]
+    weights = [decode.tensors[op.inputs[1]] for op in decode.operators if op.opcodeIndex in fully_connected]
+    offsets = [w for w in weights if w.name.endswith(b".offsets")]
+    assert offsets and all(w.type == schema.TensorType.INT8 for w in offsets)
+    float_weights = {w.name.decode() for w in weights if w.type == schema.TensorType.FLOAT32}
+    assert all(name.startswith("rope.rotate_half") for name in float_weights), float_weights
