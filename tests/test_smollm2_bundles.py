@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -32,11 +33,13 @@ PASSAGE = (
     "people ride to work every morning, and many cities are building new lanes to keep them safe from traffic."
 )
 CHAT_PROMPTS = ("What is the capital of France?", "Write one sentence about the ocean.")
-# Prompts whose fp32 answer reaches a word any coherent answer contains with a clear margin at
-# every step before it (test_coherence_prompts_have_clear_margins checks that). Near-ties flip under
-# any quantization: the capital question ("The" vs "L") and the sky question ("often" vs
-# "typically", 0.05 apart) were dropped for that reason.
-COHERENCE = (("How many days are in a week?", "7 days"), ("What is the opposite of hot?", "cold"))
+# Prompts whose fp32 answer reaches a word any coherent answer contains (a regex) with a clear
+# margin at every step before it (test_coherence_prompts_have_clear_margins checks that). Near-ties
+# flip under any quantization: the capital question ("The" vs "L") and the sky question ("often" vs
+# "typically", 0.05 apart) were dropped for that reason. The pattern is the answer, not the fp32
+# phrasing: an int4 bundle answered "... The answer is 7." where fp32 says "approximately 7 days"
+# (0.65 apart at the fourth token).
+COHERENCE = (("How many days are in a week?", r"\b(7|seven)\b"), ("What is the opposite of hot?", r"\bcold\b"))
 MIN_MARGIN = 0.5  # logits between the fp32 top-1 and top-2 tokens
 _ROOT = scratch_dir("litekv-smollm2-")
 
@@ -111,7 +114,8 @@ def test_coherence_prompts_have_clear_margins():
     for question, expected in COHERENCE:
         prompt = chat_ids(question)
         answer = ref.greedy(prompt, 48)
-        reached = next((i + 1 for i in range(len(answer)) if expected in tokenizer.decode(answer[:i + 1])), None)
+        reached = next((i + 1 for i in range(len(answer)) if re.search(expected, tokenizer.decode(answer[:i + 1]))),
+                       None)
         assert reached is not None, f"the fp32 answer to {question!r} lacks {expected!r}"
         logits = ref.forward(np.array(prompt + answer[:reached - 1]), ref.new_cache(MAX_CONTEXT))[0][len(prompt) - 1:]
         top2 = np.sort(logits, axis=-1)[:, -2:]
@@ -132,7 +136,7 @@ def test_quantized_agreement_and_coherent_answer(backend, quantize, target, reco
     for question, expected in COHERENCE:
         answer = checkpoint().tokenizer.decode(greedy(ex, chat_ids(question), 48))
         print(f"  {question} -> {answer!r}")
-        assert expected in answer
+        assert re.search(expected, answer), (question, answer)
 
 
 @pytest.mark.parametrize("backend, quantize, target", [("onnx", "fp32", 0.95), ("onnx", "int4", 0.90),
