@@ -95,6 +95,10 @@ def rotate_half_matrix(dim: int) -> np.ndarray:
 
 
 class TFLiteOps(GraphOps):
+    # XNNPACK packs its own copy of a constant for each op that uses it, so a shared membership
+    # matrix is read once per projection: 12.5 MB of floats per SmolLM2 step. A sum reads none.
+    block_sums_by_matmul = False
+
     def __init__(self, cfg: ModelConfig, store: TFLiteWeights, sg: SubgraphBuilder, sig: Signature,
                  lora: LoraSpec | None, tables, decode_attention: str = "kernel",
                  kv_scales: tuple[np.ndarray, np.ndarray] | None = None, prefill_attention: str = "kernel"):
@@ -204,13 +208,6 @@ class TFLiteOps(GraphOps):
         const = self.store.dense(name, w)
         return self._op("FULLY_CONNECTED", [x, self.sg.use(const), -1], (*x.shape[:-1], w.shape[0]),
                         keep_num_dims=True)
-
-    def block_sums(self, x: Sym) -> Sym:
-        # Not by a membership matmul: XNNPACK packs its own copy of a constant for each op that
-        # uses it, so 120 projections would read 18 MB of 0/1 matrices per step. A sum reads none.
-        blocks = x.shape[-1] // self.plan.block_size
-        grouped = self.reshape(x, (*x.shape[:-1], blocks, self.plan.block_size))
-        return self.reshape(self.reduce_sum_last(grouped), (*x.shape[:-1], blocks))
 
     def block_offsets(self, sums: Sym, name: str, offsets: np.ndarray) -> Sym:
         # int8 codes per output row: a quarter of the float bytes (13 MB per SmolLM2 step in fp32).

@@ -63,6 +63,8 @@ def lora_input_names(layer: int, group: str) -> tuple[str, str]:
 class GraphOps(ABC):
     """Traces one signature of an architecture definition into a backend graph."""
 
+    block_sums_by_matmul = True  # int4 block sums by a 0/1 membership matmul where it is small enough
+
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan,
                  sig: Signature, lora: LoraSpec | None, rope_tables: Mapping[RopeConfig, tuple[np.ndarray, np.ndarray]],
                  quant_cache: dict | None = None):
@@ -235,7 +237,7 @@ class GraphOps(ABC):
         """The sums of x over each int4 block of its last axis: [.., width] -> [.., width / block]."""
         width, block = x.shape[-1], self.plan.block_size
         blocks = width // block
-        if blocks <= MEMBERSHIP_MAX_BLOCKS:
+        if self.block_sums_by_matmul and blocks <= MEMBERSHIP_MAX_BLOCKS:
             # One matmul by a 0/1 block-membership matrix shared by every projection of this
             # width: one op instead of three, and a one-token step pays per op. The matrix is
             # blocks x width floats, so wide inputs use reshape + sum instead.
