@@ -79,7 +79,10 @@ def linears_model(path: Path, precision: str, with_int4_offsets: bool) -> tuple[
         sums = sg.tensor(f"{name}.s", (1, blocks))
         sg.op("SUM", [grouped, sg.const(np.array([2], np.int32))], [sums], keep_dims=False)
         correction = sg.tensor(f"{name}.c", (1, out_dim))
-        off = writer.add_constant(offsets.astype(np.float32), f"{name}.offsets", "float32")
+        nonlocal weight_bytes
+        q, scales = int8_per_channel(offsets)  # as the converter stores them (int8 per output row)
+        weight_bytes += q.nbytes
+        off = writer.add_constant(q, f"{name}.offsets", "int8", PerChannelQuant(tuple(scales), axis=0))
         sg.op("FULLY_CONNECTED", [sums, sg.use(off), -1], [correction])
         out = sg.tensor(f"{name}.out", (1, out_dim))
         sg.op("ADD", [y, correction], [out])
