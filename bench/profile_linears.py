@@ -68,6 +68,7 @@ def linears_model(path: Path, precision: str, with_int4_offsets: bool) -> tuple[
         return writer.add_constant(w, name, "float32"), None
 
     def linear(x: int, in_dim: int, out_dim: int, name: str) -> int:
+        nonlocal weight_bytes
         const, offsets = weight(out_dim, in_dim, name)
         y = sg.tensor(f"{name}.y", (1, out_dim))
         sg.op("FULLY_CONNECTED", [x, sg.use(const), -1], [y])
@@ -79,7 +80,6 @@ def linears_model(path: Path, precision: str, with_int4_offsets: bool) -> tuple[
         sums = sg.tensor(f"{name}.s", (1, blocks))
         sg.op("SUM", [grouped, sg.const(np.array([2], np.int32))], [sums], keep_dims=False)
         correction = sg.tensor(f"{name}.c", (1, out_dim))
-        nonlocal weight_bytes
         q, scales = int8_per_channel(offsets)  # as the converter stores them (int8 per output row)
         weight_bytes += q.nbytes
         off = writer.add_constant(q, f"{name}.offsets", "int8", PerChannelQuant(tuple(scales), axis=0))

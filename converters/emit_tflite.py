@@ -199,22 +199,19 @@ class TFLiteOps(GraphOps):
         rotated = self.matmul_const(x, f"rope.rotate_half.{x.shape[-1]}", rotate_half_matrix(x.shape[-1]))
         return self.binary("add", self.binary("mul", x, cos), self.binary("mul", rotated, sin))
 
+    def _matmul_by(self, x: Sym, const: Constant) -> Sym:
+        return self.matmul_input(x, Sym(self.sg.use(const), const.shape, const.dtype))
+
     def matmul_weight(self, x: Sym, weight: str, parts: Sequence[str]) -> Sym:
-        const = self.store.matmul(weight, parts, self)
-        w = self.sg.use(const)
-        return self._op("FULLY_CONNECTED", [x, w, -1], (*x.shape[:-1], const.shape[0]), keep_num_dims=True)
+        return self._matmul_by(x, self.store.matmul(weight, parts, self))
 
     def matmul_const(self, x: Sym, name: str, w: np.ndarray) -> Sym:
-        const = self.store.dense(name, w)
-        return self._op("FULLY_CONNECTED", [x, self.sg.use(const), -1], (*x.shape[:-1], w.shape[0]),
-                        keep_num_dims=True)
+        return self._matmul_by(x, self.store.dense(name, w))
 
     def block_offsets(self, sums: Sym, name: str, offsets: np.ndarray) -> Sym:
         # int8 codes per output row: a quarter of the float bytes (13 MB per SmolLM2 step in fp32).
         # Their rounding (1/254 of a row's largest offset) is far below that of the int8 activations.
-        const = self.store.int8(f"{name}.offsets", offsets)
-        return self._op("FULLY_CONNECTED", [sums, self.sg.use(const), -1], (*sums.shape[:-1], offsets.shape[0]),
-                        keep_num_dims=True)
+        return self._matmul_by(sums, self.store.int8(f"{name}.offsets", offsets))
 
     def matmul_input(self, x: Sym, w: Sym) -> Sym:
         return self._op("FULLY_CONNECTED", [x, w, -1], (*x.shape[:-1], w.shape[0]), keep_num_dims=True)
