@@ -260,12 +260,30 @@ def test_two_threads_agree_with_one_over_many_calls_of_any_length():
             kernel.release()
 
 
+def float_chunk_counts(slots: int, lives: tuple[int, ...]) -> int:
+    """The chunks a two-thread kernel cuts float-cache calls of these live spans into."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal(9 * 64).astype(np.float32)
+    k, v = (rng.standard_normal((slots, 3 * 64)).astype(np.float32) for _ in range(2))
+    kernel = native_attention.AttentionKernel(64, 9, slots, 2)
+    try:
+        for live in lives:
+            m = np.full(slots, MASKED, np.float32)
+            m[:live] = 0.0
+            kernel.run(q, k, v, m, 3)
+        return kernel.stats().chunks
+    finally:
+        kernel.release()
+
+
 def test_stats_count_calls_chunks_and_the_helpers_share():
     """The counters a profile reads: every call, its 384-slot chunks, the chunks the helper
     thread took (none with one thread; with two, all chunks are accounted for by the two), and the
     calls it joined with how late."""
     slots = 2048
     q, k, v, _ = int8_case(9, 3, 64, slots, slots)
+    float_chunks = float_chunk_counts(slots, (100, 2048, 700))
+    assert float_chunks == 1 + 11 + 4  # 192-slot chunks: a float row is 4x the bytes
     for threads in (1, 2):
         kernel = native_attention.AttentionKernel(64, 9, slots, threads)
         try:
@@ -276,7 +294,7 @@ def test_stats_count_calls_chunks_and_the_helpers_share():
                 kernel.run(q, k, v, m, 3)
             stats = kernel.stats()
             assert stats.calls == 3
-            assert stats.chunks == 1 + 6 + 2  # ceil(live / CHUNK_SLOTS), 384 in decode_attention.c
+            assert stats.chunks == 1 + 6 + 2  # ceil(live / 384), CHUNK_SLOTS in decode_attention.c
             assert stats.seconds > 0 and stats.microseconds_per_call > 0
             assert 0 <= stats.helper_chunks <= stats.chunks
             if threads == 1:

@@ -15,7 +15,7 @@
  * S and H come from the buffer sizes, D from the registration (AttentionConfig), which also
  * carries the two LiteRT entry points the kernel calls, so this library does not link LiteRT.
  *
- * The unmasked span of slots is cut in chunks of CHUNK_SLOTS; each chunk's scores, softmax
+ * The unmasked span of slots is cut in chunks (chunk_slots()); each chunk's scores, softmax
  * numerators and weighted values are computed on their own and merged with their maxima (as in
  * split-K "flash decoding"). With two threads, the caller and a helper thread take chunks until
  * none is left: the helper starts 15-25 us after it is signalled here (XNNPACK's worker spins on the
@@ -44,6 +44,11 @@
 #define CHUNK_SLOTS 384 /* 5-20 us of work: what the caller may wait for at the end. Smaller chunks cost more
                            in restarting each pass over the rows, whose first prefetched rows arrive late: with
                            an int8 cache 256 took 62.6 us per 2,048-slot call in the model, 384 57.9 */
+#endif
+#ifndef FLOAT_CHUNK_SLOTS
+#define FLOAT_CHUNK_SLOTS 192 /* a float cache's row is 4x the bytes: 384 slots were one chunk, which left the
+                                 helper idle through the 256-384 slots of a short chat (56 us per call,
+                                 24 in chunks of 192; 128: 29, 96: 28) */
 #endif
 #define NUMERATOR_STRIDE (CHUNK_SLOTS + 2) /* a chunk's numerators, a zero after an odd count, even */
 
@@ -147,18 +152,21 @@ INLINE v16 sum16x16(const v16 *a) {
 
 #define BLOCK 16 /* slots per block: one vector of scores per head */
 
-/* Prefetches the rows `ahead` slots past s0..s0+rows-1: every 64-byte line of each. */
-INLINE void prefetch_rows(const char *base, size_t row_bytes, int s0, int rows, int ahead) {
-    for (int r = 0; r < rows; r++)
-        for (size_t b = 0; b < row_bytes; b += 64)
-            __builtin_prefetch(base + (size_t)(s0 + ahead + r) * row_bytes + b, 0, PREFETCH_LOCALITY);
+/* Prefetches slice `part` of `parts` of the 64-byte lines of the rows `ahead` slots past
+ * s0..s0+rows-1 (contiguous). The passes call it once per head or row, so the prefetches spread
+ * over the arithmetic: issued as one burst per block, they filled the core's miss buffers and
+ * stalled it, and a float cache (12 lines a row) streamed at half a core's read rate. */
+INLINE void prefetch_slice(const char *base, size_t row_bytes, int s0, int rows, int ahead, int part, int parts) {
+    const size_t lines = (size_t)rows * row_bytes / 64, from = lines * part / parts, to = lines * (part + 1) / parts;
+    const char *first = base + (size_t)(s0 + ahead) * row_bytes;
+    for (size_t line = from; line < to; line++) __builtin_prefetch(first + 64 * line, 0, PREFETCH_LOCALITY);
 }
 
 /* Scores, softmax numerators and weighted values of slots part->lo..hi for every head, head_dim =
  * 16 * C, cache elements of type T (float, or int8_t codes widened a block of rows at a time into
  * an L1 buffer). Slots go in blocks of 16: each head's 16 dot products end in one reduction tree,
  * and the weighted values of GB heads at a time stay in registers while the block's rows are
- * read. Prefetching runs the same bytes ahead for any T. */
+ * read. Prefetching runs the same bytes ahead for any T, spread over the passes. */
 #define ROWS_AS_FLOAT(cache, s0, rows, buffer)                                                         \
     (sizeof(*(cache)) == 1 ? (widen(buffer, (const int8_t *)(const void *)(cache) + (size_t)(s0) * row,        \
                              (size_t)(rows) * row), (const float *)(buffer))                          \
@@ -167,15 +175,16 @@ INLINE void prefetch_rows(const char *base, size_t row_bytes, int s0, int rows, 
     INLINE void NAME(const Job *job, Part *part) {                                                     \
         const int heads = job->heads, group = heads / job->kv_heads, row = job->row;                   \
         const int n = part->hi - part->lo + 1, ahead = PREFETCH_ROWS * 4 / (int)sizeof(T);             \
+        const int passes = (group + GB - 1) / GB; /* value passes over a block per KV head */          \
         const T *keys = job->keys, *values = job->values;                                              \
         float widened[sizeof(T) == 1 ? BLOCK * row : 1];                                               \
         for (int i0 = 0; i0 < n; i0 += BLOCK) {                                                        \
             const int rows = n - i0 < BLOCK ? n - i0 : BLOCK, s0 = part->lo + i0;                      \
-            prefetch_rows((const char *)keys, sizeof(T) * row, s0, rows, ahead);                       \
             const float *block = ROWS_AS_FLOAT(keys, s0, rows, widened);                               \
             for (int kv = 0; kv < job->kv_heads; kv++)                                                 \
                 for (int g = 0; g < group; g++) {                                                      \
                     const int h = kv * group + g;                                                      \
+                    prefetch_slice((const char *)keys, sizeof(T) * row, s0, rows, ahead, h, heads);    \
                     const float *q = job->query + (size_t)h * 16 * C;                                  \
                     v16 a[BLOCK];                                                                      \
                     _Pragma("GCC unroll 16") for (int r = 0; r < BLOCK; r++) {                         \
@@ -193,7 +202,6 @@ INLINE void prefetch_rows(const char *base, size_t row_bytes, int s0, int rows, 
         memset(part->acc, 0, sizeof(float) * (size_t)heads * 16 * C);                                  \
         for (int i0 = 0; i0 < n; i0 += BLOCK) {                                                        \
             const int rows = n - i0 < BLOCK ? n - i0 : BLOCK, s0 = part->lo + i0;                      \
-            prefetch_rows((const char *)values, sizeof(T) * row, s0, rows, ahead);                     \
             const float *block = ROWS_AS_FLOAT(values, s0, rows, widened);                             \
             for (int kv = 0; kv < job->kv_heads; kv++)                                                 \
                 for (int g0 = 0; g0 < group; g0 += GB) {                                               \
@@ -203,6 +211,8 @@ INLINE void prefetch_rows(const char *base, size_t row_bytes, int s0, int rows, 
                     _Pragma("GCC unroll 16") for (int g = 0; g < GB; g++)                              \
                         _Pragma("GCC unroll 16") for (int c = 0; c < C; c++) acc[g][c] = g < gb ? load16(dst + (g * C + c) * 16) : (v16){0}; \
                     for (int r = 0; r < rows; r++) {                                                   \
+                        prefetch_slice((const char *)values, sizeof(T) * row, s0, rows, ahead,         \
+                                       (kv * passes + g0 / GB) * rows + r, job->kv_heads * passes * rows); \
                         const float *v = block + (size_t)r * row + (size_t)kv * 16 * C;                \
                         v16 value[C];                                                                  \
                         _Pragma("GCC unroll 16") for (int c = 0; c < C; c++) value[c] = load16(v + 16 * c); \
@@ -370,6 +380,9 @@ static void attend(State *st, Job *job, int slots, float *out) {
     st->stat_nanoseconds += (uint64_t)(1e9 * (seconds() - start));
 }
 
+/* Slots per chunk for a cache of this element type. */
+static int chunk_slots(const Job *job) { return job->int8 ? CHUNK_SLOTS : FLOAT_CHUNK_SLOTS; }
+
 static void compute(State *st, Job *job, int slots, float *out) {
     int lo, hi;
     live_span(job->mask, slots, &lo, &hi);
@@ -384,10 +397,10 @@ static void compute(State *st, Job *job, int slots, float *out) {
         job->digits = &st->digits;
     }
 #endif
-    const int count = (hi - lo) / CHUNK_SLOTS + 1;
+    const int chunk = chunk_slots(job), count = (hi - lo) / chunk + 1;
     st->stat_chunks += (uint64_t)count;
     for (int i = 0; i < count; i++) {
-        const int first = i * CHUNK_SLOTS, last = lo + first + CHUNK_SLOTS - 1;
+        const int first = i * chunk, last = lo + first + chunk - 1;
         st->parts[i] = (Part){lo + first, last < hi ? last : hi, first, st->acc + i * width,
                               st->max + (size_t)i * job->heads, st->sum + (size_t)i * job->heads,
                               st->numerators ? st->numerators + (size_t)i * job->heads * NUMERATOR_STRIDE : NULL,
@@ -448,7 +461,8 @@ static State *state_create(int heads, int head_dim, int max_slots, int threads, 
     if (!st) return NULL;
     const size_t width = (size_t)heads * head_dim;
     st->max_slots = max_slots;
-    st->max_parts = (max_slots + CHUNK_SLOTS - 1) / CHUNK_SLOTS;
+    const int smallest = CHUNK_SLOTS < FLOAT_CHUNK_SLOTS ? CHUNK_SLOTS : FLOAT_CHUNK_SLOTS;
+    st->max_parts = (max_slots + smallest - 1) / smallest;
 #if LITEKV_INT8_DOT
     st->int8_dot = int8_dot && int8_dot_head_dim(head_dim) && litekv_cpu_has_int8_dot();
 #else
