@@ -50,6 +50,11 @@
                                  helper idle through the 256-384 slots of a short chat (56 us per call,
                                  24 in chunks of 192; 128: 29, 96: 28) */
 #endif
+#ifndef FLOAT_PREFETCH_ROWS
+#define FLOAT_PREFETCH_ROWS 24 /* 32 rows of SmolLM2's 768 bytes are 6 pages exactly, and prefetches at the loads'
+                                  offset within a page ran slower: 118-124 us per 2,048-slot call against 106-114
+                                  for 20-40 rows off a page multiple; 16 and 48 rows (also multiples) as slow */
+#endif
 #define NUMERATOR_STRIDE (CHUNK_SLOTS + 2) /* a chunk's numerators, a zero after an odd count, even */
 
 typedef int Status; /* LiteRtStatus: 0 = ok */
@@ -174,7 +179,7 @@ INLINE void prefetch_slice(const char *base, size_t row_bytes, int s0, int rows,
 #define DEFINE_PART(NAME, C, GB, T)                                                                    \
     INLINE void NAME(const Job *job, Part *part) {                                                     \
         const int heads = job->heads, group = heads / job->kv_heads, row = job->row;                   \
-        const int n = part->hi - part->lo + 1, ahead = PREFETCH_ROWS * 4 / (int)sizeof(T);             \
+        const int n = part->hi - part->lo + 1, ahead = sizeof(T) == 1 ? PREFETCH_ROWS * 4 : FLOAT_PREFETCH_ROWS; \
         const int passes = (group + GB - 1) / GB; /* value passes over a block per KV head */          \
         const T *keys = job->keys, *values = job->values;                                              \
         float widened[sizeof(T) == 1 ? BLOCK * row : 1];                                               \
