@@ -1,13 +1,14 @@
-"""The int8 decode-attention kernel outside any model: its time per call with the cache in L2, in
-the L3 or coming from memory, on one and two threads, beside one core reading the same bytes and
-the time one core needs for the kernel's dot-product instructions alone.
+"""The decode-attention kernel outside any model, over an int8 cache (a float32 one with `--float`):
+its time per call with the cache in L2, in the L3 or coming from memory, on one and two threads,
+beside one core reading the same bytes and, for int8, the time one core needs for the kernel's
+dot-product instructions alone.
 
 This separates the kernel's arithmetic (the cache in L2) from its misses (from memory), and both
 from what a call inside the model adds (`bench/attention_threads.py`). Compiles
 bench/kernel_cache_levels.c against litekv/kernels with the flags pyproject.toml builds them with
 (needs a C compiler). SmolLM2 shapes: 9 query and 3 KV heads, head_dim 64.
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/kernel_cache_levels.py
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/kernel_cache_levels.py [--float] [--slots 384]
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--slots", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--float", action="store_true", help="a float32 cache instead of int8 codes")
     args = parser.parse_args()
     runs: dict[tuple, list[dict]] = {(name, threads): [] for name, *_ in LEVELS for threads in (1, 2)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -45,8 +47,9 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, sets, layers, repeats in LEVELS:
                 for threads in (1, 2):
-                    out = subprocess.run([str(binary), str(args.slots), str(threads), str(sets), str(layers),
-                                          str(repeats)], capture_output=True, text=True, check=True)
+                    command = [str(binary), str(args.slots), str(threads), str(sets), str(layers), str(repeats)]
+                    out = subprocess.run(command + (["float"] if args.float else []), capture_output=True, text=True,
+                                         check=True)
                     runs[(name, threads)].append(json.loads(out.stdout))
     rows, results = [], []
     for (name, threads), got in runs.items():
@@ -60,18 +63,20 @@ def main() -> None:
     # The integer path issues slots x heads x head_dim / 16 512-bit dot-product instructions per call:
     # two digits of the query against 4 key bytes each, and int16 numerators against value pairs.
     every = [r for got in runs.values() for r in got]
-    rate = max(r["vnni_per_second"] for r in every)  # the best: a floor must not be noisy
+    rate = max(r["vnni_per_second"] for r in every)  # the best: a floor must not be noisy; 0 for a float cache
     instructions = args.slots * every[0]["heads"] * every[0]["head_dim"] // 16
     floor = 1e6 * instructions / rate if rate else None
     if floor:
         print(f"one core retires {rate / 1e9:.2f} G vpdpbusd/vpdpwssd per second: the kernel's {instructions:,} per "
               f"call take at least {floor:.1f} µs on one core")
-    print(f"{args.slots} slots, µs per call (median of {args.rounds} rounds of best-of):")
+    print(f"{args.slots} slots, {'float32' if args.float else 'int8'} cache, µs per call (median of {args.rounds} "
+          "rounds of best-of):")
     print(markdown_table(["cache in", "kernel threads", "kernel µs per call", "one core reading the same bytes, µs",
                           "integer dot products"], rows))
-    save("kernel_cache_levels", {"slots": args.slots, "rounds": args.rounds, "dot_products_per_second": rate,
-                                 "dot_products_per_call": instructions, "arithmetic_floor_us": floor,
-                                 "results": results})
+    save("kernel_cache_levels_float" if args.float else "kernel_cache_levels",
+         {"slots": args.slots, "rounds": args.rounds, "cache": "float32" if args.float else "int8",
+          "dot_products_per_second": rate, "dot_products_per_call": instructions, "arithmetic_floor_us": floor,
+          "results": results})
 
 
 if __name__ == "__main__":

@@ -277,9 +277,9 @@ def float_chunk_counts(slots: int, lives: tuple[int, ...]) -> int:
 
 
 def test_stats_count_calls_chunks_and_the_helpers_share():
-    """The counters a profile reads: every call, its 384-slot chunks, the chunks the helper
-    thread took (none with one thread; with two, all chunks are accounted for by the two), and the
-    calls it joined with how late."""
+    """The counters a profile reads: every call, its chunks (384 slots for an int8 cache, 192 for a
+    float one), the chunks the helper thread took (none with one thread; with two, all chunks are
+    accounted for by the two), and the calls it joined with how late."""
     slots = 2048
     q, k, v, _ = int8_case(9, 3, 64, slots, slots)
     float_chunks = float_chunk_counts(slots, (100, 2048, 700))
