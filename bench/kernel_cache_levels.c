@@ -4,8 +4,9 @@
  * Usage: kernel_cache_levels SLOTS THREADS SETS LAYERS REPEATS [float]
  *   Allocates SETS x LAYERS page-aligned caches, int8 codes (or float32 with `float`; SmolLM2: 9
  *   query and 3 KV heads, head_dim 64, SLOTS rows each for keys and values) and times LAYERS
- *   consecutive calls, each on the next layer's cache, the sets taking turns. SETS 1 LAYERS 1 keeps one layer in L2; SETS 1 LAYERS 30
- *   keeps 30 layers (23.6 MB at 2,048 slots) in the L3; SETS 8 reads from memory.
+ *   consecutive calls, each on the next layer's cache, the sets taking turns. SETS 1 LAYERS 1
+ *   keeps one layer in L2; SETS 1 LAYERS 30 keeps 30 layers (23.6 MB of int8 codes at 2,048
+ *   slots) in the L3; SETS 8 reads from memory.
  * Prints one JSON line: the best time of REPEATS for the LAYERS calls, and for the read loop; on
  * CPUs with AVX-512 VNNI also how many 512-bit vpdpbusd / vpdpwssd one core retires per second,
  * which with the kernel's count of them (slots x heads x head_dim / 16 per call) bounds its

@@ -262,9 +262,7 @@ def test_two_threads_agree_with_one_over_many_calls_of_any_length():
 
 def float_chunk_counts(slots: int, lives: tuple[int, ...]) -> int:
     """The chunks a two-thread kernel cuts float-cache calls of these live spans into."""
-    rng = np.random.default_rng(5)
-    q = rng.standard_normal(9 * 64).astype(np.float32)
-    k, v = (rng.standard_normal((slots, 3 * 64)).astype(np.float32) for _ in range(2))
+    q, k, v, _ = case(9, 3, 64, slots, slots)
     kernel = native_attention.AttentionKernel(64, 9, slots, 2)
     try:
         for live in lives:
