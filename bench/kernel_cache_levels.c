@@ -1,8 +1,8 @@
 /* The decode-attention kernel outside any model, with its cache in L2, in L3 or coming from
  * memory, against one core reading the same bytes with no arithmetic.
  *
- * Usage: kernel_cache_levels SLOTS THREADS SETS LAYERS REPEATS [float]
- *   Allocates SETS x LAYERS page-aligned caches, int8 codes (or float32 with `float`; SmolLM2: 9
+ * Usage: kernel_cache_levels SLOTS THREADS SETS LAYERS REPEATS [float|f16]
+ *   Allocates SETS x LAYERS page-aligned caches, int8 codes (float32 with `float`, float16 with `f16`; SmolLM2: 9
  *   query and 3 KV heads, head_dim 64, SLOTS rows each for keys and values) and times LAYERS
  *   consecutive calls, each on the next layer's cache, the sets taking turns. SETS 1 LAYERS 1
  *   keeps one layer in L2; SETS 1 LAYERS 30 keeps 30 layers (23.6 MB of int8 codes at 2,048
@@ -71,16 +71,16 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static double vnni_per_se
 #endif
 
 int main(int argc, char **argv) {
-    const int floats = argc == 7 && strcmp(argv[6], "float") == 0;
-    if (argc != 6 && !floats) {
-        fprintf(stderr, "usage: %s SLOTS THREADS SETS LAYERS REPEATS [float]\n", argv[0]);
+    const int type = argc == 6 ? CACHE_I8 : strcmp(argv[6], "float") == 0 ? CACHE_F32 : strcmp(argv[6], "f16") == 0 ? CACHE_F16 : -1;
+    if ((argc != 6 && argc != 7) || type < 0) {
+        fprintf(stderr, "usage: %s SLOTS THREADS SETS LAYERS REPEATS [float|f16]\n", argv[0]);
         return 2;
     }
     const int slots = atoi(argv[1]), threads = atoi(argv[2]), sets = atoi(argv[3]), layers = atoi(argv[4]),
               repeats = atoi(argv[5]);
     if (slots < 16 || threads < 1 || sets < 1 || layers < 1 || repeats < 1) return 2;
     const size_t elements = (size_t)slots * KV_HEADS * HEAD_DIM, count = (size_t)sets * layers;
-    const size_t bytes = elements * (floats ? sizeof(float) : 1);
+    const size_t bytes = elements * cache_element_bytes(type);
     int8_t **keys = calloc(count, sizeof *keys), **values = calloc(count, sizeof *values);
     float query[HEADS * HEAD_DIM], out[HEADS * HEAD_DIM], *mask = calloc((size_t)slots, sizeof(float));
     if (!keys || !values || !mask) return 1;
@@ -91,8 +91,10 @@ int main(int argc, char **argv) {
         if (!keys[l] || !values[l]) return 1;
         for (size_t i = 0; i < elements; i++) {
             const int k = rand() % 255 - 127, v = rand() % 255 - 127;
-            if (floats)
+            if (type == CACHE_F32)
                 ((float *)(void *)keys[l])[i] = (float)k * 0.01f, ((float *)(void *)values[l])[i] = (float)v * 0.01f;
+            else if (type == CACHE_F16)
+                ((_Float16 *)(void *)keys[l])[i] = (_Float16)(k * 0.01f), ((_Float16 *)(void *)values[l])[i] = (_Float16)(v * 0.01f);
             else
                 keys[l][i] = (int8_t)k, values[l][i] = (int8_t)v;
         }
@@ -106,7 +108,7 @@ int main(int argc, char **argv) {
         const size_t first = (size_t)(r % sets) * layers;
         const double start = seconds();
         for (size_t l = first; l < first + (size_t)layers; l++)
-            if (litekv_attention_run(&cfg, query, keys[l], values[l], mask, out, HEADS, KV_HEADS, slots, !floats) != 0)
+            if (litekv_attention_run(&cfg, query, keys[l], values[l], mask, out, HEADS, KV_HEADS, slots, type) != 0)
                 return 1;
         kernel = best_of(kernel, start);
     }
@@ -116,15 +118,15 @@ int main(int argc, char **argv) {
         for (size_t l = first; l < first + (size_t)layers; l++) sink += read_all(keys[l], bytes) + read_all(values[l], bytes);
         reading = best_of(reading, start);
     }
-    const int int8_dot = !floats && ((State *)cfg.state)->int8_dot;
+    const int int8_dot = type == CACHE_I8 && ((State *)cfg.state)->int8_dot;
     litekv_attention_release(&cfg);
     double vnni = 0.0;
 #if LITEKV_INT8_DOT
     if (int8_dot) vnni = vnni_per_second();
 #endif
     printf("{\"heads\": %d, \"head_dim\": %d, \"slots\": %d, \"threads\": %d, \"sets\": %d, \"layers\": %d, "
-           "\"float\": %d, \"int8_dot\": %d, \"kernel_ms\": %.4f, "
+           "\"cache\": \"%s\", \"int8_dot\": %d, \"kernel_ms\": %.4f, "
            "\"read_ms\": %.4f, \"vnni_per_second\": %.4g, \"sink\": %llu}\n",
-           HEADS, HEAD_DIM, slots, threads, sets, layers, floats, int8_dot, 1e3 * kernel, 1e3 * reading, vnni, (unsigned long long)(sink & 1));
+           HEADS, HEAD_DIM, slots, threads, sets, layers, type == CACHE_I8 ? "int8" : type == CACHE_F16 ? "float16" : "float32", int8_dot, 1e3 * kernel, 1e3 * reading, vnni, (unsigned long long)(sink & 1));
     return 0;
 }

@@ -1,4 +1,4 @@
-"""The decode-attention kernel outside any model, over an int8 cache (a float32 one with `--float`):
+"""The decode-attention kernel outside any model, over an int8 cache (or `--cache float32 / float16`):
 its time per call with the cache in L2, in the L3 or coming from memory, on one and two threads,
 beside one core reading the same bytes and, for int8, the time one core needs for the kernel's
 dot-product instructions alone.
@@ -8,7 +8,7 @@ from what a call inside the model adds (`bench/attention_threads.py`). Compiles
 bench/kernel_cache_levels.c against litekv/kernels with the flags pyproject.toml builds them with
 (needs a C compiler). SmolLM2 shapes: 9 query and 3 KV heads, head_dim 64.
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/kernel_cache_levels.py [--float] [--slots 384]
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/kernel_cache_levels.py [--cache float16] [--slots 384]
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from common import compile_c, markdown_table, save
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = Path(__file__).with_name("kernel_cache_levels.c")
+DRIVER_CACHE_ARGUMENT = {"int8": [], "float32": ["float"], "float16": ["f16"]}
 LEVELS = (("L2 (one layer repeated)", 1, 1, 3000), ("L3 (30 layers)", 1, 30, 200), ("memory (8 × 30 layers)", 8, 30, 200))
 
 
@@ -39,7 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--slots", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--float", action="store_true", help="a float32 cache instead of int8 codes")
+    parser.add_argument("--cache", choices=tuple(DRIVER_CACHE_ARGUMENT), default="int8", help="the cache's element type")
     args = parser.parse_args()
     runs: dict[tuple, list[dict]] = {(name, threads): [] for name, *_ in LEVELS for threads in (1, 2)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -48,7 +49,7 @@ def main() -> None:
             for name, sets, layers, repeats in LEVELS:
                 for threads in (1, 2):
                     command = [str(binary), str(args.slots), str(threads), str(sets), str(layers), str(repeats)]
-                    out = subprocess.run(command + (["float"] if args.float else []), capture_output=True, text=True,
+                    out = subprocess.run(command + DRIVER_CACHE_ARGUMENT[args.cache], capture_output=True, text=True,
                                          check=True)
                     runs[(name, threads)].append(json.loads(out.stdout))
     rows, results = [], []
@@ -69,12 +70,12 @@ def main() -> None:
     if floor:
         print(f"one core retires {rate / 1e9:.2f} G vpdpbusd/vpdpwssd per second: the kernel's {instructions:,} per "
               f"call take at least {floor:.1f} µs on one core")
-    print(f"{args.slots} slots, {'float32' if args.float else 'int8'} cache, µs per call (median of {args.rounds} "
+    print(f"{args.slots} slots, {args.cache} cache, µs per call (median of {args.rounds} "
           "rounds of best-of):")
     print(markdown_table(["cache in", "kernel threads", "kernel µs per call", "one core reading the same bytes, µs",
                           "integer dot products"], rows))
-    save("kernel_cache_levels_float" if args.float else "kernel_cache_levels",
-         {"slots": args.slots, "rounds": args.rounds, "cache": "float32" if args.float else "int8",
+    save("kernel_cache_levels" + {"int8": "", "float32": "_float", "float16": "_float16"}[args.cache],
+         {"slots": args.slots, "rounds": args.rounds, "cache": args.cache,
           "dot_products_per_second": rate, "dot_products_per_call": instructions, "arithmetic_floor_us": floor,
           "results": results})
 

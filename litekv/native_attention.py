@@ -5,7 +5,8 @@ The kernels are compiled when litekv is installed (a C compiler is needed) into 
 `litekv._decode_attention`, loaded here with ctypes. Bundles whose entry points use them say so in
 their manifest (`decode_attention` / `prefill_attention: "kernel"`); without the library they
 cannot run, and `--decode-attention graph --prefill-attention graph` converts a bundle that needs
-nothing beyond LiteRT's builtin ops. Bundles with an int8 KV cache use the ops' int8 forms.
+nothing beyond LiteRT's builtin ops. Bundles with an int8 or a float16 KV cache use the ops' `_int8`
+or `_f16` forms.
 """
 from __future__ import annotations
 
@@ -20,11 +21,15 @@ from litekv.errors import MissingDependency
 
 OP_NAME = "litekv.decode_attention"
 OP_NAME_INT8 = "litekv.decode_attention_int8"  # int8 keys and values: the codes of a statically scaled cache
+OP_NAME_F16 = "litekv.decode_attention_f16"  # float16 keys and values
 PREFILL_OP_NAME = "litekv.prefill_attention"
 PREFILL_OP_NAME_INT8 = "litekv.prefill_attention_int8"
-# op name -> (int8 form, prefill)
-_FORMS = {OP_NAME: (False, False), OP_NAME_INT8: (True, False), PREFILL_OP_NAME: (False, True),
-          PREFILL_OP_NAME_INT8: (True, True)}
+PREFILL_OP_NAME_F16 = "litekv.prefill_attention_f16"
+# The cache element types the kernels read, in the order of decode_attention.c's CacheType.
+CACHE_DTYPES = (np.dtype(np.float32), np.dtype(np.int8), np.dtype(np.float16))
+# op name -> (CacheType, prefill)
+_FORMS = {OP_NAME: (0, False), OP_NAME_INT8: (1, False), OP_NAME_F16: (2, False), PREFILL_OP_NAME: (0, True),
+          PREFILL_OP_NAME_INT8: (1, True), PREFILL_OP_NAME_F16: (2, True)}
 OP_VERSION = 1
 _MODULE = "litekv._decode_attention"
 
@@ -65,7 +70,7 @@ def _load() -> ctypes.CDLL:
                 else:
                     lib.litekv_attention_kernel.argtypes = [ctypes.POINTER(CustomOpKernel), ctypes.c_int,
                                                             ctypes.c_int]
-                    lib.litekv_attention_kernel.restype = None
+                    lib.litekv_attention_kernel.restype = ctypes.c_int
                     lib.litekv_attention_release.argtypes = [ctypes.POINTER(AttentionConfig)]
                     lib.litekv_attention_release.restype = None
                     lib.litekv_attention_int8_dot.argtypes = []
@@ -94,7 +99,7 @@ class AttentionStats:
 
     calls: int
     seconds: float       # wall time inside the calls, as the calling thread saw it
-    chunks: int          # pieces the calls were cut into: 384 slots with an int8 cache, 192 with a float one
+    chunks: int          # pieces the calls were cut into: 384 slots with an int8 cache, 192 with a float32 or float16 one
     helper_chunks: int   # of those, the ones the helper thread computed (0 with one thread)
     helper_joins: int = 0  # calls the helper took a chunk of
     helper_delay_seconds: float = 0.0  # from the caller's offer to the helper's start, summed over those
@@ -122,16 +127,16 @@ class AttentionStats:
         return self.helper_chunks / self.chunks if self.chunks else 0.0
 
 
-def _host_arrays(query, keys, values, mask) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
-    """Contiguous float32 query and mask, keys and values both float32 or both int8 codes; and
-    whether they are codes."""
-    int8 = np.asarray(keys).dtype == np.int8
-    if int8 != (np.asarray(values).dtype == np.int8):
-        raise ValueError("keys and values must both be int8 codes or both float32")
-    kv_dtype = np.int8 if int8 else np.float32
+def _host_arrays(query, keys, values, mask) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """Contiguous float32 query and mask, keys and values of one of CACHE_DTYPES (others are read
+    as float32); and the kernel's code for that type."""
+    kv_dtype = np.asarray(keys).dtype
+    if kv_dtype != np.asarray(values).dtype:
+        raise ValueError(f"keys and values must have one dtype, not {kv_dtype} and {np.asarray(values).dtype}")
+    kv_dtype = kv_dtype if kv_dtype in CACHE_DTYPES else np.dtype(np.float32)
     query, mask = (np.ascontiguousarray(a, np.float32) for a in (query, mask))
     keys, values = (np.ascontiguousarray(a, kv_dtype) for a in (keys, values))
-    return query, keys, values, mask, int8
+    return query, keys, values, mask, CACHE_DTYPES.index(kv_dtype)
 
 
 def available() -> bool:
@@ -161,10 +166,11 @@ class AttentionKernel:
                  int8_dot: bool = True):
         lib = _load()
         self._lib = lib
-        # One config (scratch, helper thread) serves every op: a model uses the float or the int8 pair.
+        # One config (scratch, helper thread) serves every op: a model uses the pair for its cache type.
         self.kernels = {name: CustomOpKernel() for name in _FORMS}
         for name, kernel in self.kernels.items():
-            lib.litekv_attention_kernel(ctypes.byref(kernel), *map(int, _FORMS[name]))
+            if lib.litekv_attention_kernel(ctypes.byref(kernel), *map(int, _FORMS[name])) != 0:
+                raise MissingDependency(f"the attention library has no {name} form; reinstall litekv")
         entry = (lambda name: ctypes.cast(getattr(litert, name), ctypes.c_void_p)) if litert else (lambda name: None)
         self.config = AttentionConfig(
             host_memory=entry("LiteRtGetTensorBufferHostMemory"), buffer_size=entry("LiteRtGetTensorBufferSize"),
@@ -182,22 +188,22 @@ class AttentionKernel:
 
     def run(self, query: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray,
             num_kv_heads: int) -> np.ndarray:
-        """The op on host arrays: query [H*D], keys/values [S, KVH*D] (float32, or int8 codes for the
-        int8 form), mask [S] float32 -> [H*D]."""
-        query, keys, values, mask, int8 = _host_arrays(query, keys, values, mask)
+        """The op on host arrays: query [H*D], keys/values [S, KVH*D] (float32, int8 codes for the
+        int8 form, or float16), mask [S] float32 -> [H*D]."""
+        query, keys, values, mask, cache_type = _host_arrays(query, keys, values, mask)
         out = np.empty_like(query)
         pointers = (a.ctypes.data for a in (query, keys, values, mask, out))
         status = self._lib.litekv_attention_run(ctypes.byref(self.config), *pointers,
-                                                query.size // self.config.head_dim, num_kv_heads, mask.size, int(int8))
+                                                query.size // self.config.head_dim, num_kv_heads, mask.size, cache_type)
         if status != 0:
             raise ValueError(f"decode attention rejected the shapes (status {status})")
         return out
 
     def run_prefill(self, query: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray,
                     num_kv_heads: int) -> np.ndarray:
-        """The prefill op on host arrays: query [T, H*D], keys/values [S, KVH*D] (float32, or int8
-        codes), mask [T, S] float32 -> [T, H*D]."""
-        query, keys, values, mask, int8 = _host_arrays(query, keys, values, mask)
+        """The prefill op on host arrays: query [T, H*D], keys/values [S, KVH*D] (float32, int8
+        codes or float16), mask [T, S] float32 -> [T, H*D]."""
+        query, keys, values, mask, cache_type = _host_arrays(query, keys, values, mask)
         if mask.ndim != 2:
             raise ValueError(f"prefill attention rejected the shapes: mask {mask.shape} is not [T, S]")
         tokens, slots = mask.shape
@@ -209,7 +215,7 @@ class AttentionKernel:
         out = np.empty_like(query)
         pointers = (a.ctypes.data for a in (query, keys, values, mask, out))
         status = self._lib.litekv_prefill_attention_run(ctypes.byref(self.config), *pointers, tokens, num_kv_heads,
-                                                        slots, int(int8))
+                                                        slots, cache_type)
         if status != 0:
             raise ValueError(f"prefill attention rejected the shapes (status {status})")
         return out

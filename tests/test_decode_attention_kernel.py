@@ -102,18 +102,39 @@ def test_int8_caches_use_integer_dot_products_where_the_cpu_has_them():
     np.testing.assert_allclose(integer, widened, atol=0.05, rtol=1e-4)
 
 
-@pytest.mark.parametrize("int8", [False, True], ids=["float cache", "int8 cache"])
-def test_the_result_does_not_depend_on_the_thread_count(int8):
+@pytest.mark.parametrize("heads, kv_heads, head_dim, slots, live, window", [
+    (9, 3, 64, 384, 300, None),   # SmolLM2's heads
+    (4, 1, 256, 128, 128, None),  # Gemma 3 270M's heads
+    (8, 2, 128, 1024, 900, 500),  # head_dim 128, a window that starts inside a chunk
+    (6, 6, 16, 32, 20, None),     # a head_dim without a vector path (element by element)
+    (9, 3, 64, 1200, 1153, None),  # several chunks, the last of one slot
+])
+@pytest.mark.parametrize("threads", [1, 2], ids=["one thread", "two threads"])
+def test_f16_form_matches_numpy_on_the_halves(heads, kv_heads, head_dim, slots, live, window, threads):
+    """A float16 cache is widened exactly: the result is the float one on the rounded values."""
+    q, k, v, m = case(heads, kv_heads, head_dim, slots, live, window)
+    k, v = k.astype(np.float16), v.astype(np.float16)
+    k[0, :4] = [6e-8, -3e-6, 65504, -0.0]  # subnormal halves, the largest half, a negative zero
+    got = native_attention.reference(q, k, v, m, kv_heads, head_dim, threads)
+    want = numpy_attention(q, k.astype(np.float32), v.astype(np.float32), m, kv_heads, head_dim)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache", ["float32", "int8", "float16"])
+def test_the_result_does_not_depend_on_the_thread_count(cache):
     """The live span is cut in the same chunks whichever thread takes them, and merged in order."""
-    q, k, v, m = int8_case(9, 3, 64, 2048, 2000) if int8 else case(9, 3, 64, 2048, 2000)
+    q, k, v, m = int8_case(9, 3, 64, 2048, 2000) if cache == "int8" else case(9, 3, 64, 2048, 2000)
+    if cache == "float16":
+        k, v = k.astype(np.float16), v.astype(np.float16)
     one, two = (native_attention.reference(q, k, v, m, 3, 64, threads) for threads in (1, 2))
     assert np.array_equal(one, two)
 
 
 def test_keys_and_values_must_share_a_dtype():
     q, k, v, m = case(4, 2, 16, 32, 10)
-    with pytest.raises(ValueError, match="both"):
-        native_attention.reference(q, k.astype(np.int8), v, m, 2, 16)
+    for other in (np.int8, np.float16):
+        with pytest.raises(ValueError, match="one dtype"):
+            native_attention.reference(q, k.astype(other), v, m, 2, 16)
 
 
 def test_a_fully_masked_row_attends_to_nothing():
@@ -230,8 +251,10 @@ def test_manifest_versions(tmp_path):
     manifest = Manifest.from_json(json.dumps(five), "five")
     assert (manifest.decode_attention, manifest.prefill_attention, manifest.uses_attention_kernel) == (
         "kernel", "graph", True)
-    with pytest.raises(BundleError, match="version 7 is not supported.*reads versions 3, 4, 5, 6"):
-        Manifest.from_json(json.dumps({**data, "version": 7}), "new")
+    with pytest.raises(BundleError, match="version 8 is not supported.*reads versions 3, 4, 5, 6, 7"):
+        Manifest.from_json(json.dumps({**data, "version": 8}), "new")
+    with pytest.raises(BundleError, match="unknown KV cache dtype 'bfloat16'; reconvert"):
+        Manifest.from_json(json.dumps({**data, "kv_dtype": "bfloat16"}), "new")
     six = dict(data)
     six.pop("prefill_attention")
     with pytest.raises(BundleError, match="incomplete \\(no prefill_attention\\); reconvert"):

@@ -72,6 +72,20 @@ def test_kernel_matches_numpy(heads, kv_heads, head_dim, tokens, slots, start, w
     np.testing.assert_allclose(got, want, atol=(2e-3 if int8 else 2e-5), rtol=1e-4)
 
 
+@pytest.mark.parametrize("heads, kv_heads, head_dim, tokens, slots, start, window", [
+    (9, 3, 64, 37, 300, 100, None),    # SmolLM2's heads, a chunk after a prefix
+    (4, 1, 256, 40, 600, 300, 64),     # Gemma 3 270M's heads, a sliding window
+    (6, 2, 48, 17, 100, 40, None),     # a head_dim without a vector path
+])
+@pytest.mark.parametrize("threads", [1, 2], ids=["one thread", "two threads"])
+def test_float16_cache_matches_numpy_on_the_halves(heads, kv_heads, head_dim, tokens, slots, start, window, threads):
+    q, k, v, m = causal_case(heads, kv_heads, head_dim, tokens, slots, start, window)
+    k, v = k.astype(np.float16), v.astype(np.float16)
+    got = run(q, k, v, m, kv_heads, head_dim, threads)
+    want = numpy_prefill(q, k.astype(np.float32), v.astype(np.float32), m, kv_heads, head_dim)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+
+
 def test_holes_soft_masks_and_fully_masked_rows():
     """The mask is added as it is: holes inside the span are skipped, soft values bias the scores,
     and a row that sees nothing (masked everywhere) comes out as zeros, not an average."""
@@ -157,7 +171,7 @@ def test_kernel_bundles_prefill_in_the_custom_op_at_one_capacity():
     kinds = {}
     for attention in ("kernel", "graph"):
         options = ConvertOptions(backend="litert", max_context=512, prefill_lengths=(8, 64),
-                                 prefill_attention=attention)
+                                 prefill_attention=attention, kv_cache="fp32")  # the kernel against builtin ops, exactly
         kinds[attention] = convert(checkpoint_dir("gemma3"), scratch_dir("litekv-prefill-op-") / attention, options)
     kernel, graph = (open_executor(kinds[a]) for a in ("kernel", "graph"))
     assert {s.capacity for s in kernel.manifest.signatures if s.kind == "prefill"} == {512}

@@ -26,9 +26,50 @@ INLINE v16 load16(const float *p) {
     return v;
 }
 
-/* Element i of a cache as a float: int8 codes or floats. */
-INLINE float element(const void *base, size_t i, int int8) {
-    return int8 ? (float)((const int8_t *)base)[i] : ((const float *)base)[i];
+/* What a cache holds, as the op names say: float32 ("litekv.decode_attention"), int8 codes of a
+ * statically scaled cache ("_int8"), or float16 ("_f16", half a float32 cache's bytes to read). */
+typedef enum { CACHE_F32 = 0, CACHE_I8 = 1, CACHE_F16 = 2 } CacheType;
+
+INLINE size_t cache_element_bytes(int type) { return type == CACHE_I8 ? 1 : type == CACHE_F16 ? 2 : 4; }
+
+/* A float16's bits as a float, in integer and float arithmetic that vectorizes: GCC converts
+ * _Float16 one element at a time without AVX512-FP16. The multiply rebases the exponent (15 to
+ * 127), which also makes subnormals exact; infinities and NaNs keep an all-ones exponent. */
+INLINE float half_to_float(uint16_t h) {
+    const uint32_t magnitude = (uint32_t)(h & 0x7fffu) << 13, sign = (uint32_t)(h & 0x8000u) << 16;
+    union { uint32_t u; float f; } x = {magnitude};
+    x.f *= 0x1p112f;
+    if ((h & 0x7c00u) == 0x7c00u) x.u = magnitude | 0x7f800000u;
+    x.u |= sign;
+    return x.f;
+}
+
+/* count float16 values (their bits) as floats. With AVX-512, 16 per instruction (vcvtph2ps); a
+ * call widens a block of rows, so the check and the call are per block, not per element. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+__attribute__((target("avx512f"))) static void widen_halves_avx512(float *restrict out, const uint16_t *restrict in,
+                                                                  size_t count) {
+    size_t i = 0;
+    for (; i + 16 <= count; i += 16) _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(in + i))));
+    for (; i < count; i++) out[i] = half_to_float(in[i]);
+}
+#endif
+INLINE void widen_halves(float *restrict out, const uint16_t *restrict in, size_t count) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx512f")) {
+        widen_halves_avx512(out, in, count);
+        return;
+    }
+#endif
+    for (size_t i = 0; i < count; i++) out[i] = half_to_float(in[i]);
+}
+
+/* Element i of a cache as a float. */
+INLINE float element(const void *base, size_t i, int type) {
+    return type == CACHE_I8    ? (float)((const int8_t *)base)[i]
+           : type == CACHE_F16 ? half_to_float(((const uint16_t *)base)[i])
+                               : ((const float *)base)[i];
 }
 
 typedef int32_t i32x16 __attribute__((vector_size(64)));
@@ -62,8 +103,8 @@ typedef struct {
 
 typedef struct {
     const float *query, *mask;
-    const void *keys, *values;          /* float, or int8_t when `int8` */
-    int int8, int8_dot;                 /* int8_dot: integer dot products on the codes, if the CPU has them */
+    const void *keys, *values;          /* elements of `cache_type` */
+    int cache_type, int8_dot;           /* int8_dot: integer dot products on int8 codes, if the CPU has them */
     int heads, kv_heads, head_dim, row; /* row = KVH * D elements per cached slot */
     float *scores;                      /* [heads][stride]: column i is slot lo + i */
     int stride;
@@ -100,9 +141,9 @@ INLINE float exp_nonpositive(float x) {
  * scratch of prefill_scratch_floats() floats. */
 typedef struct {
     const float *query, *mask;          /* [tokens][heads * D] (scaled), [tokens][slots] */
-    const void *keys, *values;          /* [slots][row]: float, or int8_t codes when `int8` */
+    const void *keys, *values;          /* [slots][row]: elements of `cache_type` */
     float *out;                         /* [tokens][heads * D] */
-    int int8, tokens, slots, heads, kv_heads, head_dim, row;
+    int cache_type, tokens, slots, heads, kv_heads, head_dim, row;
 } PrefillJob;
 
 int prefill_tasks(const PrefillJob *job);

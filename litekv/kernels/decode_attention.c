@@ -11,7 +11,8 @@
  * Output:  f32 [1, 1, H*D], head h attending with KV head h / (H / KVH).
  * "litekv.decode_attention_int8" takes int8 keys and values instead: the codes of a cache with one
  * static scale per channel, which the graph folds into the query (keys) and the output (values),
- * so the kernel reads a quarter of the bytes and needs no scales.
+ * so the kernel reads a quarter of the bytes and needs no scales. "litekv.decode_attention_f16"
+ * takes float16 keys and values: half the bytes, with no scales at all.
  * S and H come from the buffer sizes, D from the registration (AttentionConfig), which also
  * carries the two LiteRT entry points the kernel calls, so this library does not link LiteRT.
  *
@@ -132,10 +133,16 @@ INLINE float softmax_numerators(float *restrict scores, const float *restrict ma
     return total;
 }
 
-/* int8 codes as floats: a plain loop, which the vectorizer turns into widening loads (vpmovsxbd)
- * and conversions, where converting vector-extension types went lane by lane. */
-INLINE void widen(float *restrict out, const int8_t *restrict in, size_t count) {
-    for (size_t i = 0; i < count; i++) out[i] = (float)in[i];
+/* int8 codes or float16 as floats: plain loops, which the vectorizer turns into widening loads
+ * (vpmovsxbd) and conversions, where converting vector-extension types went lane by
+ * lane. `element_bytes` is a constant where this is inlined, so one loop remains. */
+INLINE void widen(float *restrict out, const void *restrict cache, size_t element_bytes, size_t at, size_t count) {
+    if (element_bytes == 1) {
+        const int8_t *restrict in = (const int8_t *)cache + at;
+        for (size_t i = 0; i < count; i++) out[i] = (float)in[i];
+    } else {
+        widen_halves(out, (const uint16_t *)cache + at, count);
+    }
 }
 
 /* Lane r of the result is the sum of the 16 lanes of a[r]: a transpose-and-add tree, 45 vector
@@ -168,21 +175,22 @@ INLINE void prefetch_slice(const char *base, size_t row_bytes, int s0, int rows,
 }
 
 /* Scores, softmax numerators and weighted values of slots part->lo..hi for every head, head_dim =
- * 16 * C, cache elements of type T (float, or int8_t codes widened a block of rows at a time into
- * an L1 buffer). Slots go in blocks of 16: each head's 16 dot products end in one reduction tree,
+ * 16 * C, cache elements of type T (float; int8_t codes or float16 bits widened a block of rows at a
+ * time into an L1 buffer). Slots go in blocks of 16: each head's 16 dot products end in one reduction tree,
  * and the weighted values of GB heads at a time stay in registers while the block's rows are
  * read. Prefetching runs the same bytes ahead for any T, spread over the passes. */
 #define ROWS_AS_FLOAT(cache, s0, rows, buffer)                                                         \
-    (sizeof(*(cache)) == 1 ? (widen(buffer, (const int8_t *)(const void *)(cache) + (size_t)(s0) * row,        \
-                             (size_t)(rows) * row), (const float *)(buffer))                          \
-                           : (const float *)(const void *)(cache) + (size_t)(s0) * row)
+    (sizeof(*(cache)) < sizeof(float)                                                                  \
+         ? (widen(buffer, cache, sizeof(*(cache)), (size_t)(s0) * row, (size_t)(rows) * row), (const float *)(buffer)) \
+         : (const float *)(const void *)(cache) + (size_t)(s0) * row)
 #define DEFINE_PART(NAME, C, GB, T)                                                                    \
     INLINE void NAME(const Job *job, Part *part) {                                                     \
         const int heads = job->heads, group = heads / job->kv_heads, row = job->row;                   \
-        const int n = part->hi - part->lo + 1, ahead = sizeof(T) == 1 ? PREFETCH_ROWS * 4 : FLOAT_PREFETCH_ROWS; \
+        const int n = part->hi - part->lo + 1,                                                         \
+                  ahead = sizeof(T) == 1 ? PREFETCH_ROWS * 4 : FLOAT_PREFETCH_ROWS * 4 / (int)sizeof(T); \
         const int passes = (group + GB - 1) / GB; /* value passes over a block per KV head */          \
         const T *keys = job->keys, *values = job->values;                                              \
-        float widened[sizeof(T) == 1 ? BLOCK * row : 1];                                               \
+        float widened[sizeof(T) < sizeof(float) ? BLOCK * row : 1];                                    \
         for (int i0 = 0; i0 < n; i0 += BLOCK) {                                                        \
             const int rows = n - i0 < BLOCK ? n - i0 : BLOCK, s0 = part->lo + i0;                      \
             const float *block = ROWS_AS_FLOAT(keys, s0, rows, widened);                               \
@@ -237,6 +245,9 @@ DEFINE_PART(part_16, 16, 1, float)
 DEFINE_PART(part_4_i8, 4, 3, int8_t)
 DEFINE_PART(part_8_i8, 8, 1, int8_t)
 DEFINE_PART(part_16_i8, 16, 1, int8_t)
+DEFINE_PART(part_4_f16, 4, 3, uint16_t)
+DEFINE_PART(part_8_f16, 8, 1, uint16_t)
+DEFINE_PART(part_16_f16, 16, 1, uint16_t)
 
 /* Any head_dim: the same computation one element at a time. */
 INLINE void part_any(const Job *job, Part *part) {
@@ -248,7 +259,7 @@ INLINE void part_any(const Job *job, Part *part) {
             const int s = part->lo + i;
             const size_t k = (size_t)s * job->row + (size_t)(h / group) * d;
             float dot = 0.0f;
-            for (int j = 0; j < d; j++) dot += q[j] * element(job->keys, k + j, job->int8);
+            for (int j = 0; j < d; j++) dot += q[j] * element(job->keys, k + j, job->cache_type);
             sc[i] = job->mask[s] <= MASKED_BELOW ? -INFINITY : dot + job->mask[s];
             best = sc[i] > best ? sc[i] : best;
         }
@@ -258,7 +269,7 @@ INLINE void part_any(const Job *job, Part *part) {
             sc[i] = exp_nonpositive(sc[i] - best);
             total += sc[i];
             const size_t v = (size_t)(part->lo + i) * job->row + (size_t)(h / group) * d;
-            for (int j = 0; j < d; j++) acc[j] += sc[i] * element(job->values, v + j, job->int8);
+            for (int j = 0; j < d; j++) acc[j] += sc[i] * element(job->values, v + j, job->cache_type);
         }
         part->max[h] = best;
         part->sum[h] = total;
@@ -272,15 +283,20 @@ VECTOR_CLONES static void attend_part(const Job *job, Part *part) {
         return;
     }
 #endif
-    switch (job->head_dim * (job->int8 ? -1 : 1)) {
-    case 64: part_4(job, part); break;
-    case 128: part_8(job, part); break;
-    case 256: part_16(job, part); break;
-    case -64: part_4_i8(job, part); break;
-    case -128: part_8_i8(job, part); break;
-    case -256: part_16_i8(job, part); break;
+#define SHAPE(type, head_dim) ((type) << 16 | (head_dim))
+    switch (SHAPE(job->cache_type, job->head_dim)) {
+    case SHAPE(CACHE_F32, 64): part_4(job, part); break;
+    case SHAPE(CACHE_F32, 128): part_8(job, part); break;
+    case SHAPE(CACHE_F32, 256): part_16(job, part); break;
+    case SHAPE(CACHE_I8, 64): part_4_i8(job, part); break;
+    case SHAPE(CACHE_I8, 128): part_8_i8(job, part); break;
+    case SHAPE(CACHE_I8, 256): part_16_i8(job, part); break;
+    case SHAPE(CACHE_F16, 64): part_4_f16(job, part); break;
+    case SHAPE(CACHE_F16, 128): part_8_f16(job, part); break;
+    case SHAPE(CACHE_F16, 256): part_16_f16(job, part); break;
     default: part_any(job, part);
     }
+#undef SHAPE
 }
 
 /* out[h] = sum over parts of acc * e^(max - M) / sum over parts of sum * e^(max - M). */
@@ -386,7 +402,7 @@ static void attend(State *st, Job *job, int slots, float *out) {
 }
 
 /* Slots per chunk for a cache of this element type. */
-static int chunk_slots(const Job *job) { return job->int8 ? CHUNK_SLOTS : FLOAT_CHUNK_SLOTS; }
+static int chunk_slots(const Job *job) { return job->cache_type == CACHE_I8 ? CHUNK_SLOTS : FLOAT_CHUNK_SLOTS; }
 
 static void compute(State *st, Job *job, int slots, float *out) {
     int lo, hi;
@@ -549,13 +565,13 @@ static Status buffer(const AttentionConfig *cfg, void *handle, void **address, s
 /* Checks the sizes (nk, nv in cache elements) and fills the job; the scores go to the state's
  * scratch, max_slots columns per head. */
 static Status make_job(Job *job, const float *q, size_t nq, const void *k, size_t nk, const void *v, size_t nv,
-                       int int8, const float *m, size_t slots, int head_dim, int max_heads, const State *st) {
+                       int cache_type, const float *m, size_t slots, int head_dim, int max_heads, const State *st) {
     if (head_dim <= 0 || slots == 0 || slots > (size_t)st->max_slots || nq % head_dim || nk != nv || nk % slots ||
         (nk / slots) % head_dim || nq / head_dim > (size_t)max_heads)
         return STATUS_INVALID_ARGUMENT;
     const int heads = (int)(nq / head_dim), kv_heads = (int)(nk / slots / head_dim);
     if (heads == 0 || kv_heads == 0 || heads % kv_heads) return STATUS_INVALID_ARGUMENT;
-    *job = (Job){q, m, k, v, int8, int8 && st->int8_dot, heads, kv_heads, head_dim, kv_heads * head_dim, st->scores,
+    *job = (Job){q, m, k, v, cache_type, cache_type == CACHE_I8 && st->int8_dot, heads, kv_heads, head_dim, kv_heads * head_dim, st->scores,
                  st->max_slots};
     return STATUS_OK;
 }
@@ -567,9 +583,9 @@ typedef struct {
 } OpBuffers;
 
 static Status op_buffers(const AttentionConfig *cfg, size_t num_inputs, void *const *inputs, size_t num_outputs,
-                         void **outputs, int int8, OpBuffers *b) {
+                         void **outputs, int cache_type, OpBuffers *b) {
     if (!cfg->state || num_inputs != 4 || num_outputs != 1) return STATUS_INVALID_ARGUMENT;
-    const size_t element = int8 ? 1 : sizeof(float);
+    const size_t element = cache_element_bytes(cache_type);
     if (buffer(cfg, inputs[0], &b->q, &b->nq, sizeof(float)) || buffer(cfg, inputs[1], &b->k, &b->nk, element) ||
         buffer(cfg, inputs[2], &b->v, &b->nv, element) || buffer(cfg, inputs[3], &b->m, &b->nm, sizeof(float)) ||
         buffer(cfg, outputs[0], &b->o, &b->no, sizeof(float)))
@@ -578,14 +594,14 @@ static Status op_buffers(const AttentionConfig *cfg, size_t num_inputs, void *co
 }
 
 static Status run(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs, void **outputs,
-                  int int8) {
+                  int cache_type) {
     AttentionConfig *cfg = user_data;
     OpBuffers b;
-    Status status = op_buffers(cfg, num_inputs, inputs, num_outputs, outputs, int8, &b);
+    Status status = op_buffers(cfg, num_inputs, inputs, num_outputs, outputs, cache_type, &b);
     if (status != STATUS_OK) return status;
     Job job;
     /* a decode mask holds one row of S slots */
-    if (b.nq != b.no || make_job(&job, b.q, b.nq, b.k, b.nk, b.v, b.nv, int8, b.m, b.nm, cfg->head_dim,
+    if (b.nq != b.no || make_job(&job, b.q, b.nq, b.k, b.nk, b.v, b.nv, cache_type, b.m, b.nm, cfg->head_dim,
                                  cfg->num_heads, cfg->state))
         return STATUS_INVALID_ARGUMENT;
     attend(cfg->state, &job, (int)b.nm, b.o);
@@ -593,18 +609,23 @@ static Status run(void *user_data, size_t num_inputs, void *const *inputs, size_
 }
 
 static Status op_run(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs, void **outputs) {
-    return run(user_data, num_inputs, inputs, num_outputs, outputs, 0);
+    return run(user_data, num_inputs, inputs, num_outputs, outputs, CACHE_F32);
 }
 
 static Status op_run_int8(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
                           void **outputs) {
-    return run(user_data, num_inputs, inputs, num_outputs, outputs, 1);
+    return run(user_data, num_inputs, inputs, num_outputs, outputs, CACHE_I8);
+}
+
+static Status op_run_f16(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
+                         void **outputs) {
+    return run(user_data, num_inputs, inputs, num_outputs, outputs, CACHE_F16);
 }
 
 /* A prefill chunk: query [1, T, H*D], caches [1, S, KVH*D], mask [.., T, S]; H from the
  * registration, so T = query size / (H * D), S = mask size / T. */
 static Status make_prefill_job(PrefillJob *job, const float *q, size_t nq, const void *k, size_t nk, const void *v,
-                               size_t nv, int int8, const float *m, size_t nm, float *o, size_t no, int heads,
+                               size_t nv, int cache_type, const float *m, size_t nm, float *o, size_t no, int heads,
                                int head_dim, const State *st) {
     const size_t width = (size_t)heads * head_dim;
     if (head_dim <= 0 || heads <= 0 || nq == 0 || nq % width || no != nq) return STATUS_INVALID_ARGUMENT;
@@ -614,20 +635,20 @@ static Status make_prefill_job(PrefillJob *job, const float *q, size_t nq, const
     if (slots == 0 || slots > (size_t)st->max_slots || nk != nv || nk % (slots * head_dim)) return STATUS_INVALID_ARGUMENT;
     const size_t kv_heads = nk / (slots * head_dim);
     if (kv_heads == 0 || heads % kv_heads || tokens > INT32_MAX) return STATUS_INVALID_ARGUMENT;
-    *job = (PrefillJob){q, m, k, v, o, int8, (int)tokens, (int)slots, heads, (int)kv_heads, head_dim,
+    *job = (PrefillJob){q, m, k, v, o, cache_type, (int)tokens, (int)slots, heads, (int)kv_heads, head_dim,
                         (int)kv_heads * head_dim};
     /* the ticket counts tasks in 20 bits */
     return prefill_tasks(job) <= (int)TICKET_FIELD ? STATUS_OK : STATUS_INVALID_ARGUMENT;
 }
 
 static Status run_prefill(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
-                          void **outputs, int int8) {
+                          void **outputs, int cache_type) {
     AttentionConfig *cfg = user_data;
     OpBuffers b;
-    Status status = op_buffers(cfg, num_inputs, inputs, num_outputs, outputs, int8, &b);
+    Status status = op_buffers(cfg, num_inputs, inputs, num_outputs, outputs, cache_type, &b);
     if (status != STATUS_OK) return status;
     PrefillJob job;
-    if (make_prefill_job(&job, b.q, b.nq, b.k, b.nk, b.v, b.nv, int8, b.m, b.nm, b.o, b.no, cfg->num_heads,
+    if (make_prefill_job(&job, b.q, b.nq, b.k, b.nk, b.v, b.nv, cache_type, b.m, b.nm, b.o, b.no, cfg->num_heads,
                          cfg->head_dim, cfg->state))
         return STATUS_INVALID_ARGUMENT;
     return compute_prefill(cfg->state, &job);
@@ -635,12 +656,17 @@ static Status run_prefill(void *user_data, size_t num_inputs, void *const *input
 
 static Status op_run_prefill(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
                              void **outputs) {
-    return run_prefill(user_data, num_inputs, inputs, num_outputs, outputs, 0);
+    return run_prefill(user_data, num_inputs, inputs, num_outputs, outputs, CACHE_F32);
 }
 
 static Status op_run_prefill_int8(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
                                   void **outputs) {
-    return run_prefill(user_data, num_inputs, inputs, num_outputs, outputs, 1);
+    return run_prefill(user_data, num_inputs, inputs, num_outputs, outputs, CACHE_I8);
+}
+
+static Status op_run_prefill_f16(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
+                                 void **outputs) {
+    return run_prefill(user_data, num_inputs, inputs, num_outputs, outputs, CACHE_F16);
 }
 
 static Status op_destroy(void *user_data) {
@@ -654,14 +680,19 @@ typedef struct {
     void *init, *output_layouts, *run, *destroy;
 } Kernel; /* LiteRtCustomOpKernel */
 
-/* The callbacks of "litekv.decode_attention" (or "litekv.prefill_attention" if `prefill`), the
- * "_int8" form if `int8`. Both ops share one registration's state: scratch and helper thread. */
-void litekv_attention_kernel(Kernel *kernel, int int8, int prefill) {
+/* The callbacks of "litekv.decode_attention" (or "litekv.prefill_attention" if `prefill`) in the
+ * form for a cache of `cache_type`, a CacheType (another value: nonzero is returned). All ops
+ * share one registration's state: scratch and helper thread. */
+int litekv_attention_kernel(Kernel *kernel, int cache_type, int prefill) {
+    static void *const decode_runs[] = {(void *)op_run, (void *)op_run_int8, (void *)op_run_f16};
+    static void *const prefill_runs[] = {(void *)op_run_prefill, (void *)op_run_prefill_int8,
+                                         (void *)op_run_prefill_f16};
+    if (cache_type < CACHE_F32 || cache_type > CACHE_F16) return STATUS_INVALID_ARGUMENT;
     kernel->init = (void *)op_init;
     kernel->output_layouts = (void *)op_output_layouts;
-    kernel->run = prefill ? (int8 ? (void *)op_run_prefill_int8 : (void *)op_run_prefill)
-                          : (int8 ? (void *)op_run_int8 : (void *)op_run);
+    kernel->run = prefill ? prefill_runs[cache_type] : decode_runs[cache_type];
     kernel->destroy = (void *)op_destroy;
+    return STATUS_OK;
 }
 
 /* Whether int8 caches get integer dot products on this CPU (AttentionConfig.int8_dot). */
@@ -694,29 +725,31 @@ void litekv_attention_release(AttentionConfig *cfg) {
 }
 
 /* The same computation on host arrays, with the registration's state (tests, benchmarks): query
- * [H*D], keys and values [slots, KVH*D] (float, or int8_t if `int8`), mask [slots], out [H*D]. */
+ * [H*D], keys and values [slots, KVH*D] (elements of `cache_type`), mask [slots], out [H*D]. */
 int litekv_attention_run(AttentionConfig *cfg, const float *query, const void *keys, const void *values,
-                         const float *mask, float *out, int heads, int kv_heads, int slots, int int8) {
-    if (heads <= 0 || kv_heads <= 0 || slots <= 0) return STATUS_INVALID_ARGUMENT;
+                         const float *mask, float *out, int heads, int kv_heads, int slots, int cache_type) {
+    if (heads <= 0 || kv_heads <= 0 || slots <= 0 || cache_type < CACHE_F32 || cache_type > CACHE_F16)
+        return STATUS_INVALID_ARGUMENT;
     if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
     const size_t n = (size_t)slots * kv_heads * cfg->head_dim;
     Job job;
     State *st = cfg->state;
-    Status status = make_job(&job, query, (size_t)heads * cfg->head_dim, keys, n, values, n, int8, mask,
+    Status status = make_job(&job, query, (size_t)heads * cfg->head_dim, keys, n, values, n, cache_type, mask,
                              (size_t)slots, cfg->head_dim, cfg->num_heads, st);
     if (status == STATUS_OK) attend(st, &job, slots, out);
     return status;
 }
 
 /* A prefill chunk on host arrays: query and out [tokens][H*D], keys and values [slots, KVH*D]
- * (float, or int8_t if `int8`), mask [tokens][slots]. */
+ * (elements of `cache_type`), mask [tokens][slots]. */
 int litekv_prefill_attention_run(AttentionConfig *cfg, const float *query, const void *keys, const void *values,
-                                 const float *mask, float *out, int tokens, int kv_heads, int slots, int int8) {
-    if (tokens <= 0 || kv_heads <= 0 || slots <= 0) return STATUS_INVALID_ARGUMENT;
+                                 const float *mask, float *out, int tokens, int kv_heads, int slots, int cache_type) {
+    if (tokens <= 0 || kv_heads <= 0 || slots <= 0 || cache_type < CACHE_F32 || cache_type > CACHE_F16)
+        return STATUS_INVALID_ARGUMENT;
     if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
     const size_t nq = (size_t)tokens * cfg->num_heads * cfg->head_dim, nk = (size_t)slots * kv_heads * cfg->head_dim;
     PrefillJob job;
-    Status status = make_prefill_job(&job, query, nq, keys, nk, values, nk, int8, mask, (size_t)tokens * slots, out, nq,
+    Status status = make_prefill_job(&job, query, nq, keys, nk, values, nk, cache_type, mask, (size_t)tokens * slots, out, nq,
                                      cfg->num_heads, cfg->head_dim, cfg->state);
     return status == STATUS_OK ? compute_prefill(cfg->state, &job) : status;
 }

@@ -14,8 +14,8 @@
  *   ROW_GROUP query rows multiply it with broadcast query elements, sums in registers;
  * - softmax per row (mask added, so causality and holes need no special case), then the weighted
  *   values, a few rows' sums in registers while each value row is read.
- * An int8 cache's codes are widened to floats as a block is read; the graph folds the scales into
- * the query and the output, as for decode.
+ * An int8 cache's codes and a float16 cache are widened to floats as a block is read; for int8
+ * codes the graph folds the scales into the query and the output, as for decode.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -56,19 +56,24 @@ size_t prefill_scratch_floats(int heads, int head_dim, int max_slots) {
 }
 
 /* Rows first..first+count-1 of KV head `kv` in a cache as floats, and the stride between them:
- * float rows where they lie, int8 codes widened into `buffer` [count][D] by a plain loop (which
- * vectorizes; converting a vector-extension type of int8 went lane by lane). */
+ * float rows where they lie, int8 codes or float16 widened into `buffer` [count][D] by plain
+ * loops (which vectorize; converting a vector-extension type of int8 went lane by lane). */
 INLINE const float *cache_rows(const PrefillJob *job, const void *cache, int first, int count, int kv,
                                float *restrict buffer, size_t *stride) {
     const int d = job->head_dim;
     const size_t at = (size_t)first * job->row + (size_t)kv * d;
-    if (!job->int8) {
+    if (job->cache_type == CACHE_F32) {
         *stride = (size_t)job->row;
         return (const float *)cache + at;
     }
-    const int8_t *restrict codes = (const int8_t *)cache + at;
-    for (int i = 0; i < count; i++)
-        for (int j = 0; j < d; j++) buffer[(size_t)i * d + j] = (float)codes[(size_t)i * job->row + j];
+    if (job->cache_type == CACHE_F16) {
+        const uint16_t *restrict halves = (const uint16_t *)cache + at;
+        for (int i = 0; i < count; i++) widen_halves(buffer + (size_t)i * d, halves + (size_t)i * job->row, (size_t)d);
+    } else {
+        const int8_t *restrict codes = (const int8_t *)cache + at;
+        for (int i = 0; i < count; i++)
+            for (int j = 0; j < d; j++) buffer[(size_t)i * d + j] = (float)codes[(size_t)i * job->row + j];
+    }
     *stride = (size_t)d;
     return buffer;
 }
@@ -236,7 +241,7 @@ INLINE void task_any(const PrefillJob *job, const Tile *t, float *scratch) {
         for (int i = 0; i < n; i++) {
             const size_t k = (size_t)(t->lo + i) * job->row + (size_t)t->kv * d;
             float dot = 0.0f;
-            for (int j = 0; j < d; j++) dot += q[j] * element(job->keys, k + j, job->int8);
+            for (int j = 0; j < d; j++) dot += q[j] * element(job->keys, k + j, job->cache_type);
             scratch[i] = dot;
         }
         const float total = row_numerators(job, t, r, scratch, n), scale = total > 0.0f ? 1.0f / total : 0.0f;
@@ -244,7 +249,7 @@ INLINE void task_any(const PrefillJob *job, const Tile *t, float *scratch) {
         memset(o, 0, sizeof(float) * d);
         for (int i = 0; i < n; i++) {
             const size_t v = (size_t)(t->lo + i) * job->row + (size_t)t->kv * d;
-            for (int j = 0; j < d; j++) o[j] += scratch[i] * element(job->values, v + j, job->int8);
+            for (int j = 0; j < d; j++) o[j] += scratch[i] * element(job->values, v + j, job->cache_type);
         }
         for (int j = 0; j < d; j++) o[j] *= scale;
     }
