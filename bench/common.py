@@ -37,11 +37,11 @@ def converter_fingerprint() -> str:
 
 
 def smollm2_bundle(backend: str, quantize: str, max_context: int = 4096, lora_rank: int | None = None,
-                   prefill_lengths: tuple[int, ...] = (32, 128, 256, 512), kv_cache: str = "fp32",
+                   prefill_lengths: tuple[int, ...] = (32, 128, 256, 512), kv_cache: str | None = None,
                    lm_head: str | None = None, decode_attention: str | None = None) -> Path:
-    """A SmolLM2 bundle in the user cache, converted on first use. lm_head, decode_attention None: the
-    converter's defaults."""
-    variant = (("" if kv_cache == "fp32" else f"-kv{kv_cache}") + ("" if lm_head is None else f"-head{lm_head}")
+    """A SmolLM2 bundle in the user cache, converted on first use. kv_cache, lm_head, decode_attention
+    None: the converter's defaults."""
+    variant = (("" if kv_cache is None else f"-kv{kv_cache}") + ("" if lm_head is None else f"-head{lm_head}")
                + ("" if decode_attention is None else f"-{decode_attention}-attention"))
     name = (f"smollm2-{backend}-{quantize}{variant}-ctx{max_context}-lora{lora_rank}-p{'_'.join(map(str, prefill_lengths))}"
             f"-{converter_fingerprint()}")

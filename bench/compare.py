@@ -55,13 +55,15 @@ class System:
 
 def systems() -> list[System]:
     out = []
-    litekv_bundles = (("litert", "LiteRT", "fp32"), ("onnx", "ONNX Runtime", "fp32"),
-                      ("litert", "LiteRT", "int8"), ("onnx", "ONNX Runtime", "int8"))  # also an int8 KV cache
+    # The default KV cache (float16 on LiteRT, float32 on ONNX), and an int8 one.
+    litekv_bundles = (("litert", "LiteRT", None), ("onnx", "ONNX Runtime", None),
+                      ("litert", "LiteRT", "int8"), ("onnx", "ONNX Runtime", "int8"))
     for backend, label, kv in litekv_bundles:
         for quantize, cls in (("fp32", "fp32"), ("int8", "8-bit"), ("int4", "4-bit")):
-            name = f"litekv {label} {quantize}" + ("" if kv == "fp32" else f" + {kv} KV")
+            name = f"litekv {label} {quantize}" + ("" if kv is None else f" + {kv} KV")
             out.append(System(name, cls, MAIN_PYTHON, ["bench/peers/run_litekv.py", "--backend", backend,
-                                                       "--quantize", quantize, "--kv-cache", kv], litekv=True))
+                                                       "--quantize", quantize, *(["--kv-cache", kv] if kv else [])],
+                              litekv=True))
     # The 4-bit peers' own LM-head class: onnxruntime-genai's head is 4-bit, litekv's int4 default
     # keeps the GGUF's 8-bit one. The quality column shows what each choice costs.
     out.append(System("litekv LiteRT int4 + int8 KV + int4 head", "4-bit", MAIN_PYTHON,

@@ -38,7 +38,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=("litert", "onnx"), default="litert")
     parser.add_argument("--quantize", choices=("fp32", "int8", "int4"), default="fp32")
-    parser.add_argument("--kv-cache", choices=("fp32", "int8"), default="fp32", help="KV cache precision")
+    parser.add_argument("--kv-cache", choices=("fp32", "fp16", "int8"), default=None,
+                        help="KV cache precision (default: the converter's, fp16 on LiteRT and fp32 on ONNX)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
@@ -68,7 +69,7 @@ def main() -> None:
     mappings = largest_mappings(8)
     print()
     print(markdown_table(["mapping", "resident MB"], [list(m) for m in mappings]))
-    variant = "" if args.kv_cache == "fp32" else f"_kv{args.kv_cache}"
+    variant = "" if args.kv_cache is None else f"_kv{args.kv_cache}"
     save(f"memory_timeline_{args.backend}_{args.quantize}{variant}",
          {"bundle": bundle.name, "model_mb": model_mb, "kv_mb": kv_mb,
           "stages": [{"stage": name, **s} for name, s in stages],

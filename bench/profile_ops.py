@@ -118,7 +118,8 @@ def main() -> None:
     parser.add_argument("--live", type=int, default=256, help="tokens the profiled step attends over")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--kv-cache", choices=("fp32", "int8"), default="fp32", help="KV cache precision")
+    parser.add_argument("--kv-cache", choices=("fp32", "fp16", "int8"), default=None,
+                        help="KV cache precision (default: the converter's, fp16 on LiteRT and fp32 on ONNX)")
     parser.add_argument("--backend", choices=("litert", "onnx", "both"), default="both")
     args = parser.parse_args()
     for backend, breakdown in (("litert", litert_breakdown), ("onnx", onnx_breakdown)):
@@ -129,7 +130,7 @@ def main() -> None:
         total = sum(ms for ms, _ in ops.values())
         rows = [[op, calls, f"{ms:.3f}", f"{100 * ms / total:.1f}%"]
                 for op, (ms, calls) in sorted(ops.items(), key=lambda kv: -kv[1][0]) if ms >= 0.005]
-        print(f"\n{backend} {args.quantize}, {args.kv_cache} KV cache, one decode step at {args.live} live tokens "
+        print(f"\n{backend} {args.quantize}, {args.kv_cache or 'default'} KV cache, one decode step at {args.live} live tokens "
               f"({total:.2f} ms inside ops, profiled):")
         print(markdown_table(["op", "calls per step", "ms per step", "share"], rows))
 

@@ -36,7 +36,7 @@ def bundle_for(spec: str) -> Path:
     parts = spec.split(":")
     if len(parts) < 2 or parts[0] not in ("litert", "onnx"):
         return Path(spec)
-    kv_cache = parts[2] if len(parts) > 2 else "fp32"
+    kv_cache = parts[2] if len(parts) > 2 else None  # the converter's default
     return smollm2_bundle(parts[0], parts[1], kv_cache=kv_cache, lm_head=parts[3] if len(parts) > 3 else None)
 
 

@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from litekv.bundle import (ATTENTION_KINDS, BACKENDS, KV_CACHE_FORMATS, MANIFEST, SAMPLER_SIGNATURE, Manifest,
+from litekv.bundle import (ATTENTION_KINDS, BACKENDS, KV_CACHE_DTYPES, KV_CACHE_FORMATS, MANIFEST, SAMPLER_SIGNATURE, Manifest,
                            SignatureInfo, write_atomic)
 from litekv.errors import ConfigError, LitekvError
 from litekv.models.config import ModelConfig
@@ -45,7 +45,11 @@ class ConvertOptions:
     lm_head: str | None = None
     embedding: str | None = None
     sampler: bool = True
-    kv_cache: str = "fp32"  # "int8": static per-channel scales calibrated at conversion
+    # "fp32", "fp16" (half the bytes) or "int8" (static per-channel scales calibrated at conversion).
+    # None: fp16 on LiteRT, where litekv's kernels read the halves (the same quality as fp32, measured
+    # by bench/quality_kl.py); fp32 on ONNX, where GroupQueryAttention computes in float16 on the CPU
+    # and ran slower than in float32.
+    kv_cache: str | None = None
     # LiteRT one-token attention: "kernel" (litekv's custom op; the runtime needs litekv's compiled kernel)
     # or "graph" (builtin ops only, for any LiteRT runtime). None: "kernel" for LiteRT.
     decode_attention: str | None = None
@@ -81,7 +85,7 @@ class ConvertOptions:
             if not b or b != sorted(set(b)) or b[-1] != self.max_context or b[0] <= 0:
                 raise ConfigError(f"{flag} buckets must increase and end at the max context {self.max_context}, "
                                   f"got {b}.")
-        if self.kv_cache not in KV_CACHE_FORMATS:
+        if self.kv_cache is not None and self.kv_cache not in KV_CACHE_FORMATS:
             raise ConfigError(f"unknown KV cache format {self.kv_cache!r}; choose one of {', '.join(KV_CACHE_FORMATS)}.")
         for flag, kind in (("decode", self.decode_attention), ("prefill", self.prefill_attention)):
             if kind is None:
@@ -96,6 +100,11 @@ class ConvertOptions:
     @property
     def plan(self) -> QuantPlan:
         return QuantPlan.named(self.quantize, self.lm_head, self.embedding)
+
+    @property
+    def kv_format(self) -> str:
+        """The KV cache's format, one of KV_CACHE_FORMATS (kv_cache, or the backend's default)."""
+        return self.kv_cache or ("fp32" if self.backend == "onnx" else "fp16")
 
     def _attention_kind(self, choice: str | None) -> str:
         """What the manifest records for one kind of entry point: "kernel" by default on LiteRT,
@@ -250,7 +259,7 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions = Co
 def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Manifest:
     cfg, plan = ckpt.config, options.plan
     kv_scales = None
-    if options.kv_cache == "int8":
+    if options.kv_format == "int8":
         from .kv_calibration import int8_kv_scales
 
         kv_scales = int8_kv_scales(cfg, ckpt.weights, ckpt.tokenizer)
@@ -264,7 +273,8 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         writer, groups = emit_tflite(cfg, ckpt.weights, plan, sigs, options.lora, options.max_context,
                              progress=lambda name, n=iter(range(1, len(sigs) + 1)): tick(next(n), len(sigs), name),
                              decode_attention=options.attention_kind,
-                             prefill_attention=options.prefill_attention_kind, kv_scales=kv_scales)
+                             prefill_attention=options.prefill_attention_kind, kv_scales=kv_scales,
+                             kv_dtype=KV_CACHE_DTYPES[options.kv_format])
         writer.write(staging / "model.tflite")
         bar.stage("writing model.tflite")(1, 1, f"{writer.data_bytes / 1e6:.0f} MB of weights")
         infos = tuple(SignatureInfo(s.name, "sampler" if s.sampler else ("decode" if s.tokens == 1 and s.logits
@@ -280,7 +290,9 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
 
         # The plain graph always; a LoRA-ready bundle adds a LoRA graph over the same weight file, so
         # running without an adapter costs exactly what a model converted without LoRA costs.
-        model, _ = emit_onnx(cfg, ckpt.weights, plan, None, options.max_context, kv_scales=kv_scales)
+        kv_dtype = KV_CACHE_DTYPES[options.kv_format]
+        model, _ = emit_onnx(cfg, ckpt.weights, plan, None, options.max_context, kv_scales=kv_scales,
+                             kv_dtype=kv_dtype)
         bar.stage("tracing graph")(1, 1, f"{len(model.graph.node)} nodes")
         onnx.save_model(model, str(staging / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
                         location="model.onnx.data", size_threshold=1024)
@@ -288,7 +300,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         groups = {}
         if options.lora is not None:
             lora_model, groups = emit_onnx(cfg, ckpt.weights, plan, options.lora, options.max_context,
-                                           kv_scales=kv_scales)
+                                           kv_scales=kv_scales, kv_dtype=kv_dtype)
             share_external_data(lora_model, str(staging / "model.onnx"))
             onnx.save_model(lora_model, str(staging / "model_lora.onnx"))
             graphs.append(("model_lora", lora_model, True))
@@ -305,7 +317,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
     return Manifest(
         backend=options.backend, model_file=model_file, config=cfg, max_context=options.max_context,
         prefill_lengths=tuple(sorted(set(options.prefill_lengths))), kv_buckets=options.buckets(),
-        kv_layout=layout, kv_dtype="int8" if options.kv_cache == "int8" else "float32",
+        kv_layout=layout, kv_dtype=KV_CACHE_DTYPES[options.kv_format],
         quantization=plan.to_dict(), lora_rank=options.lora_rank,
         lora_targets=tuple(options.lora_targets) if options.lora_rank else (), signatures=infos,
         fingerprint=fingerprint(cfg, ckpt.weights, plan), chat_template=tok.chat_template,
@@ -339,8 +351,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "kernel, finer than the prefill buckets with --decode-attention graph)")
     parser.add_argument("--lora-rank", type=int, help="add LoRA inputs of this rank on q, k, v and o")
     parser.add_argument("--no-sampler", action="store_true", help="omit the in-graph sampling entry points")
-    parser.add_argument("--kv-cache", choices=KV_CACHE_FORMATS, default="fp32",
-                        help="KV cache precision; int8 reads a quarter of the bytes per step")
+    parser.add_argument("--kv-cache", choices=KV_CACHE_FORMATS,
+                        help="KV cache precision: fp16 reads half the bytes per step, int8 a quarter (default: "
+                        "fp16 for LiteRT, fp32 for ONNX)")
     parser.add_argument("--decode-attention", choices=ATTENTION_KINDS,
                         help="LiteRT one-token attention: kernel (default; litekv's compiled custom op, which "
                         "reads the cache once) or graph (builtin ops only, for a runtime without litekv)")

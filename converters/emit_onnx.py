@@ -35,9 +35,11 @@ _GQA_K_SCALE = 12  # GroupQueryAttention's k_scale input; v_scale follows
 
 class OnnxOps(GraphOps):
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan, sig: Signature,
-                 lora: LoraSpec | None, tables, kv_scales: tuple[np.ndarray, np.ndarray] | None = None):
+                 lora: LoraSpec | None, tables, kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
+                 kv_dtype: str = "float32"):
         super().__init__(cfg, weights, plan, sig, lora, tables)
-        self.kv_scales = kv_scales  # (keys, values) [layers, KVH, D]: an int8 cache; None: float32
+        self.kv_scales = kv_scales  # (keys, values) [layers, KVH, D]: an int8 cache; None: float32 or float16
+        self.kv_dtype = "int8" if kv_scales is not None else kv_dtype
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -273,7 +275,7 @@ class OnnxOps(GraphOps):
     def attention(self, q: Sym, k: Sym, v: Sym, layer: int, window: int | None, scale: float) -> Sym:
         cfg = self.cfg
         kv_shape = (1, cfg.num_kv_heads, self.capacity, cfg.head_dim)
-        kv_dtype = "float32" if self.kv_scales is None else "int8"
+        kv_dtype = self.kv_dtype
         past_k = self.input(f"past_key_{layer}", kv_shape, kv_dtype)
         past_v = self.input(f"past_value_{layer}", kv_shape, kv_dtype)
         rotary = q.rotary
@@ -282,9 +284,12 @@ class OnnxOps(GraphOps):
             qkv = [packed, "", ""]
         else:
             qkv = [self.reshape(Sym(x.ref, x.shape), (1, T_DIM, x.shape[2] * x.shape[3])).ref for x in (q, k, v)]
+        half = kv_dtype == "float16"  # GroupQueryAttention takes its inputs in the cache's type
+        if half:
+            qkv = [self._half(x) if x else "" for x in qkv]
         inputs = [*qkv, past_k.ref, past_v.ref, self.seqlens.ref, self.total.ref]
         if rotary is not None:  # positions come from seqlens_k: the chunk sits right after the cache
-            inputs += list(self._rotary_cache(rotary))
+            inputs += list(self._rotary_cache(rotary, half))
         quant = {}
         if self.kv_scales is not None:  # int8 K/V = code * scale, one scale per (KV head, channel)
             inputs += [""] * (_GQA_K_SCALE - len(inputs))
@@ -302,7 +307,14 @@ class OnnxOps(GraphOps):
             **quant))
         for name in (present_k, present_v):
             self.outputs.append(helper.make_tensor_value_info(name, _ONNX_DTYPE[kv_dtype], list(kv_shape)))
-        return Sym(out, (1, T_DIM, cfg.num_heads * cfg.head_dim))
+        out = Sym(out, (1, T_DIM, cfg.num_heads * cfg.head_dim))
+        return self.to_float(out) if half else out
+
+    def _half(self, name: str) -> str:
+        """A float16 copy of tensor `name`."""
+        out = self._name("half")
+        self.nodes.append(helper.make_node("Cast", [name], [out], to=TensorProto.FLOAT16))
+        return out
 
     def _drop_unused(self) -> None:
         """Remove nodes and initializers no output depends on (the slices packed QKV bypasses)."""
@@ -315,10 +327,12 @@ class OnnxOps(GraphOps):
         self.nodes = kept[::-1]
         self.initializers = [t for t in self.initializers if t.name in needed]
 
-    def _rotary_cache(self, rope) -> tuple[str, str]:
+    def _rotary_cache(self, rope, half: bool = False) -> tuple[str, str]:
         cos, sin = self.rope_tables[rope]
-        tag = f"{rope.kind}_{rope.theta:g}_{rope.factor:g}"
-        return self._weight(f"rope_cos_{tag}", lambda: cos), self._weight(f"rope_sin_{tag}", lambda: sin)
+        tag = f"{rope.kind}_{rope.theta:g}_{rope.factor:g}" + ("_f16" if half else "")
+        dtype = np.float16 if half else np.float32
+        return (self._weight(f"rope_cos_{tag}", lambda: cos.astype(dtype)),
+                self._weight(f"rope_sin_{tag}", lambda: sin.astype(dtype)))
 
     def finish(self, logits: Sym) -> onnx.ModelProto:
         self.output("logits", logits)
@@ -359,13 +373,14 @@ def _broadcast(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
 
 def emit_onnx(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan, lora: LoraSpec | None,
               max_context: int, progress: Callable[[str], None] | None = None,
-              kv_scales: tuple[np.ndarray, np.ndarray] | None = None) -> onnx.ModelProto:
+              kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
+              kv_dtype: str = "float32") -> onnx.ModelProto:
     """Trace the architecture once into an ONNX model with a dynamic token axis; with
-    `kv_scales` (see kv_calibration) the KV cache is int8."""
+    `kv_scales` (see kv_calibration) the KV cache is int8, else of `kv_dtype` (float32 or float16)."""
     weights = dict(weights)
     weights.setdefault("lm_head.weight", weights["embed.weight"])
     sig = Signature("model", T_DIM, max_context, lora=lora is not None)
-    ops = OnnxOps(cfg, weights, plan, sig, lora, rope_tables(cfg, max_context), kv_scales)
+    ops = OnnxOps(cfg, weights, plan, sig, lora, rope_tables(cfg, max_context), kv_scales, kv_dtype)
     ops.begin(max_context)
     model = ops.finish(architecture(cfg.architecture).forward(ops, cfg))
     if progress:

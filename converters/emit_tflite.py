@@ -12,7 +12,9 @@ litekv.native_attention: `litekv.decode_attention` for a decode, `litekv.prefill
 prefill chunk; decode_attention / prefill_attention="graph" keep builtin ops only.
 With `kv_scales` (converters.kv_calibration) the cache tensors are int8 codes of K/V / scale, one
 static scale per (layer, KV head, channel): new rows are quantized in the graph, the kernels' int8
-forms read the codes, and builtin-op attention dequantizes the cache it reads.
+forms read the codes, and builtin-op attention dequantizes the cache it reads. With
+kv_dtype="float16" the cache tensors are float16: new rows are cast in the graph, the kernels'
+f16 forms read half a float32 cache's bytes, and builtin-op attention casts the cache it reads.
 """
 from __future__ import annotations
 
@@ -25,8 +27,10 @@ from litekv.bundle import SAMPLER_INPUTS
 from litekv.models.base import architecture
 from litekv.models.config import ModelConfig, RopeConfig
 from litekv.native_attention import OP_NAME as DECODE_ATTENTION_OP
+from litekv.native_attention import OP_NAME_F16 as DECODE_ATTENTION_F16_OP
 from litekv.native_attention import OP_NAME_INT8 as DECODE_ATTENTION_INT8_OP
 from litekv.native_attention import PREFILL_OP_NAME as PREFILL_ATTENTION_OP
+from litekv.native_attention import PREFILL_OP_NAME_F16 as PREFILL_ATTENTION_F16_OP
 from litekv.native_attention import PREFILL_OP_NAME_INT8 as PREFILL_ATTENTION_INT8_OP
 
 from .graph_ops import GraphOps, LoraSpec, Signature, Sym, rope_tables
@@ -101,12 +105,14 @@ class TFLiteOps(GraphOps):
 
     def __init__(self, cfg: ModelConfig, store: TFLiteWeights, sg: SubgraphBuilder, sig: Signature,
                  lora: LoraSpec | None, tables, decode_attention: str = "kernel",
-                 kv_scales: tuple[np.ndarray, np.ndarray] | None = None, prefill_attention: str = "kernel"):
+                 kv_scales: tuple[np.ndarray, np.ndarray] | None = None, prefill_attention: str = "kernel",
+                 kv_dtype: str = "float32"):
         super().__init__(cfg, store.weights, store.plan, sig, lora, tables, store.quant_cache)
         self.store = store
         self.decode_attention = decode_attention  # "kernel": litekv's custom op; "graph": builtin ops
         self.prefill_attention = prefill_attention  # the same, for chunks of more than one token
-        self.kv_scales = kv_scales  # (keys, values) [layers, KVH, D]: an int8 cache; None: float32
+        self.kv_scales = kv_scales  # (keys, values) [layers, KVH, D]: an int8 cache; None: float32 or float16
+        self.kv_dtype = "int8" if kv_scales is not None else kv_dtype
         self.sg = sg
         self._count = 0
         self.kv_outputs: dict[str, Sym] = {}
@@ -268,12 +274,11 @@ class TFLiteOps(GraphOps):
         self.mask = self.input("mask", (1, 1, t, s))
         self.local_mask = self.input("local_mask", (1, 1, t, s)) if "sliding" in cfg.layer_types else None
         kv_shape = (1, s, cfg.num_kv_heads * cfg.head_dim)
-        kv_dtype = "float32" if self.kv_scales is None else "int8"
         self.kv_inputs = {}
         for i in range(cfg.num_layers):
             for kind in ("k", "v"):
                 name = f"kv_cache_{kind}_{i}"
-                self.kv_inputs[name] = self.input(name, kv_shape, kv_dtype)
+                self.kv_inputs[name] = self.input(name, kv_shape, self.kv_dtype)
         first_pos = self._op("SLICE", [self.positions, self._ints([0]), self._ints([1])], (1,), "int32")
         self.kv_start = self._op("CONCATENATION", [self._ints([0]), first_pos, self._ints([0])], (3,),
                                  "int32", axis=0)
@@ -287,6 +292,8 @@ class TFLiteOps(GraphOps):
             new = self.reshape(new, (1, t, kvh * d))
             if self.kv_scales is not None:
                 new = self._kv_codes(new, kind, layer)
+            elif self.kv_dtype == "float16":
+                new = self._op("CAST", [new], new.shape, "float16")
             cache = self.kv_inputs[name]
             updated = self._op("DYNAMIC_UPDATE_SLICE", [cache, new, self.kv_start], cache.shape, cache.dtype)
             self.kv_outputs[name] = updated
@@ -294,9 +301,11 @@ class TFLiteOps(GraphOps):
         mask = self.local_mask if window is not None else self.mask
         if (self.decode_attention if t == 1 else self.prefill_attention) == "kernel":
             return self._kernel_attention(q, caches, mask, scale, layer)
-        if self.kv_scales is not None:  # builtin attention reads floats: a pass over the cache
+        if self.kv_scales is not None:  # builtin attention reads float32: a pass over the cache
             caches = [self.binary("mul", self.to_float(c), self._kv_scale(kind, layer))
                       for kind, c in zip(("k", "v"), caches)]
+        elif self.kv_dtype == "float16":
+            caches = [self.to_float(c) for c in caches]
         if t == 1 and kvh <= SPREAD_MAX_KV_HEADS:
             return self._decode_attention(q, caches, mask, scale)
         # XNNPACK runs a reshape of a bound tensor as a copy: a pass over the cache, which a
@@ -341,12 +350,14 @@ class TFLiteOps(GraphOps):
         sum p * code_v * s_v = s_v * sum p * code_v, so the query and the output carry the scales."""
         t, width = self.sig.tokens, self.cfg.num_heads * self.cfg.head_dim
         q = self.reshape(q, (1, t, width))
-        ops = (DECODE_ATTENTION_OP, DECODE_ATTENTION_INT8_OP) if t == 1 else (PREFILL_ATTENTION_OP,
-                                                                             PREFILL_ATTENTION_INT8_OP)
+        ops = ({"float32": DECODE_ATTENTION_OP, "float16": DECODE_ATTENTION_F16_OP, "int8": DECODE_ATTENTION_INT8_OP}
+               if t == 1 else {"float32": PREFILL_ATTENTION_OP, "float16": PREFILL_ATTENTION_F16_OP,
+                               "int8": PREFILL_ATTENTION_INT8_OP})
+        op = ops[self.kv_dtype]
         if self.kv_scales is None:
-            q, op = self.binary("mul", q, self.const(np.float32(scale))), ops[0]
+            q = self.binary("mul", q, self.const(np.float32(scale)))
         else:
-            q, op = self.binary("mul", q, self._kv_scale("k", layer, True, scale)), ops[1]
+            q = self.binary("mul", q, self._kv_scale("k", layer, True, scale))
         out = self._new((1, t, width))
         self.sg.custom_op(op, [q.ref, caches[0].ref, caches[1].ref, mask.ref], [out.ref])
         return out if self.kv_scales is None else self.binary("mul", out, self._kv_scale("v", layer, True))
@@ -394,12 +405,13 @@ def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: Quant
                 signatures: Sequence[Signature], lora: LoraSpec | None, max_context: int,
                 progress: Callable[[str], None] | None = None, decode_attention: str = "kernel",
                 kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
-                prefill_attention: str = "kernel") -> TFLiteModelWriter:
+                prefill_attention: str = "kernel", kv_dtype: str = "float32") -> TFLiteModelWriter:
     """Trace every signature of the architecture into one TFLite model (not yet written).
 
     decode_attention: "kernel" runs one-token attention in litekv's custom op, "graph" in builtin ops;
     prefill_attention the same for prefill chunks.
-    kv_scales: (keys, values) [layers, KVH, D] static scales of an int8 KV cache; None: float32."""
+    kv_scales: (keys, values) [layers, KVH, D] static scales of an int8 KV cache; None: kv_dtype, float32
+    or float16."""
     weights = dict(weights)
     weights.setdefault("lm_head.weight", weights["embed.weight"])
     writer = TFLiteModelWriter(description=f"litekv {cfg.architecture}")
@@ -409,7 +421,7 @@ def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: Quant
     groups = {}
     for sig in signatures:
         ops = TFLiteOps(cfg, store, writer.add_signature(sig.name), sig, lora, tables, decode_attention, kv_scales,
-                        prefill_attention)
+                        prefill_attention, kv_dtype)
         if sig.sampler:
             ops.sampler()
         else:

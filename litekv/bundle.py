@@ -22,14 +22,17 @@ FORMAT = "litekv-bundle"
 # 5: a TFLite bundle may hold an int8 KV cache (`kv_dtype`), read by the kernel's int8 form.
 # 6: `prefill_attention` (TFLite prefill chunks may attend in litekv's custom op, at one capacity).
 # Versions before 6 read as "graph".
-VERSION = 6
-READABLE_VERSIONS = (3, 4, 5, 6)
+# 7: the KV cache may be float16 (`kv_dtype`), read by the kernels' f16 forms (ONNX: GroupQueryAttention in float16).
+VERSION = 7
+READABLE_VERSIONS = (3, 4, 5, 6, 7)
 ATTENTION_KINDS = ("kernel", "graph")
 SAMPLER_SIGNATURE = "sampler"
 # The sampler graph's scalar inputs, each of shape [1], in order: (name, dtype).
 SAMPLER_INPUTS = (("temperature", "float32"), ("top_k", "int32"), ("top_p", "float32"), ("seed", "int32"))
 BACKENDS = ("litert", "onnx")
-KV_CACHE_FORMATS = ("fp32", "int8")
+KV_CACHE_FORMATS = ("fp32", "fp16", "int8")
+# --kv-cache format -> the cache tensors' dtype (Manifest.kv_dtype)
+KV_CACHE_DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "int8"}
 
 
 class BundleError(LitekvError):
@@ -119,6 +122,8 @@ class Manifest:
         for key in ("decode_attention", "prefill_attention"):
             if getattr(manifest, key) not in ATTENTION_KINDS:
                 raise BundleError(f"{where}: unknown {key} {getattr(manifest, key)!r}; reconvert the model.")
+        if manifest.kv_dtype not in KV_CACHE_DTYPES.values():
+            raise BundleError(f"{where}: unknown KV cache dtype {manifest.kv_dtype!r}; reconvert the model.")
         return manifest
 
 

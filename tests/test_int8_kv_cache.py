@@ -129,7 +129,7 @@ def test_litert_steps_read_int8_codes_in_the_kernel():
 
 def test_unknown_kv_cache_format_is_refused():
     with pytest.raises(ConfigError, match="KV cache format"):
-        ConvertOptions(backend="onnx", kv_cache="fp16")
+        ConvertOptions(backend="onnx", kv_cache="fp8")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

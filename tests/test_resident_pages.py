@@ -53,7 +53,7 @@ def test_litert_prefill_leaves_no_model_file_pages_resident(tmp_path):
     from litekv.executor import open_executor
 
     options = ConvertOptions(backend="litert", max_context=MAX_CONTEXT, prefill_lengths=PREFILL_LENGTHS,
-                             kv_buckets=KV_BUCKETS)
+                             kv_buckets=KV_BUCKETS, kv_cache="fp32")
     ex, ref = open_executor(convert(checkpoint_dir("llama"), tmp_path / "bundle", options)), reference("llama")
     model_file = ex.model.path
     prompt = np.random.default_rng(2).integers(3, ex.config.vocab_size, 13)
@@ -74,7 +74,7 @@ def test_litert_decode_steps_give_model_file_pages_back_periodically(tmp_path):
     from litekv.executor import open_executor
 
     options = ConvertOptions(backend="litert", max_context=MAX_CONTEXT, prefill_lengths=PREFILL_LENGTHS,
-                             kv_buckets=KV_BUCKETS)
+                             kv_buckets=KV_BUCKETS, kv_cache="fp32")
     ex = open_executor(convert(checkpoint_dir("llama"), tmp_path / "bundle", options))
     ex.model_pages.every_steps = 3
     cache = ex.create_kv_cache()

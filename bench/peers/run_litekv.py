@@ -38,7 +38,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=("litert", "onnx"), required=True)
     parser.add_argument("--quantize", choices=("fp32", "int8", "int4"), required=True)
-    parser.add_argument("--kv-cache", choices=("fp32", "int8"), default="fp32", help="KV cache precision")
+    parser.add_argument("--kv-cache", choices=("fp32", "fp16", "int8"), default=None,
+                        help="KV cache precision (default: the converter's, fp16 on LiteRT and fp32 on ONNX)")
     parser.add_argument("--lm-head", choices=("fp32", "int8", "int4"), default=None,
                         help="LM head precision (default: the converter's, int8 for quantized weights)")
     parser.add_argument("--threads", type=int, default=2)

@@ -1,0 +1,114 @@
+"""Bundles with a float16 KV cache: the graph casts new rows, LiteRT's kernels read the halves
+(their `_f16` forms; builtin-op attention casts the cache back), and ONNX Runtime's
+GroupQueryAttention runs in float16."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import pytest
+from ai_edge_litert import schema_py_generated as schema
+
+from conformance import _ROOT, PREFILL_LENGTHS, checkpoint_dir, executor, reference, relative_error
+from litekv.converters.convert import ConvertOptions, convert
+from litekv.executor import open_executor
+from litekv.kv_cache import KVCacheError
+from litekv.native_attention import available as kernel_available
+from model_factory import ARCHITECTURES
+
+MAX_CONTEXT = 64
+KV_BUCKETS = (16, 32, 64)
+BACKENDS = ["onnx", pytest.param("litert", marks=pytest.mark.skipif(not kernel_available(), reason="no kernel")),
+            "litert-graph"]
+
+
+@lru_cache(maxsize=None)
+def fp16_kv_bundle(arch: str, backend: str = "onnx"):
+    attention = "graph" if backend == "litert-graph" else "kernel"
+    litert = dict(kv_buckets=KV_BUCKETS, decode_attention=attention, prefill_attention=attention)
+    options = ConvertOptions(backend=backend.split("-")[0], max_context=MAX_CONTEXT, prefill_lengths=PREFILL_LENGTHS,
+                             kv_cache="fp16", **(litert if backend != "onnx" else {}))
+    return convert(checkpoint_dir(arch), _ROOT / f"{arch}-{backend}-kv16", options)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_fp16_cache_holds_the_reference_keys_and_values_rounded(arch, backend):
+    """Layer 0's K/V depend on nothing rounded: the reference's within half a float16 ulp (2^-11
+    relative), except ONNX keys, which GroupQueryAttention rotates in float16 after the rounding.
+    Later layers carry the earlier layers' rounding too: still about 1e-4 of the values' size."""
+    ex, ref = open_executor(fp16_kv_bundle(arch, backend)), reference(arch)
+    prompt = np.random.default_rng(3).integers(3, ex.config.vocab_size, 13)
+    ours, theirs = ex.create_kv_cache(), ref.create_kv_cache()
+    ex.prefill(prompt[:-1], ours)  # 8 + 4 chunks
+    ref.prefill(prompt[:-1], theirs)
+    ex.step([prompt[-1]], ours)
+    ref.step([prompt[-1]], theirs)
+    assert ours.dtype == np.float16 and ours.num_tokens == 13
+    for layer in range(ex.config.num_layers):
+        for kind, got, exact in (("k", ours.key_cache(layer), theirs.key_cache(layer)),
+                                 ("v", ours.value_cache(layer), theirs.value_cache(layer))):
+            error = np.abs(got.astype(np.float32) - exact)
+            if layer == 0 and (kind == "v" or backend != "onnx"):
+                assert np.all(error <= np.abs(exact) * 2.0 ** -11 * 1.01 + 1e-6), kind
+            assert np.mean(error) < 1e-3 * np.mean(np.abs(exact)), (kind, layer)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_fp16_cache_logits_stay_close_to_the_reference(arch, backend):
+    ex, ref = open_executor(fp16_kv_bundle(arch, backend)), reference(arch)
+    prompt = np.random.default_rng(5).integers(3, ex.config.vocab_size, 9)
+    ours, theirs = ex.create_kv_cache(), ref.create_kv_cache()
+    ex.prefill(prompt[:-1], ours)
+    ref.prefill(prompt[:-1], theirs)
+    token = prompt[-1]
+    for _ in range(8):
+        mine, exact = ex.step([token], ours), ref.step([token], theirs)
+        assert relative_error(mine, exact) < 0.01
+        token = int(np.argmax(exact))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp16_cache_round_trips_through_serialization(backend):
+    ex = open_executor(fp16_kv_bundle("llama", backend))
+    prompt = list(np.random.default_rng(9).integers(3, ex.config.vocab_size, 10))
+    straight = ex.create_kv_cache()
+    ex.prefill(prompt, straight)
+    expected = ex.sample_tokens(6, [5], straight)
+    saved = ex.create_kv_cache()
+    ex.prefill(prompt, saved)
+    restored = ex.create_kv_cache()
+    restored.load(saved.serialize())
+    assert restored.dtype == np.float16
+    np.testing.assert_array_equal(ex.sample_tokens(6, [5], restored), expected)
+    float_cache = executor("llama", backend.split("-")[0]).create_kv_cache()
+    before = float_cache.raw_keys(0).copy()
+    with pytest.raises(KVCacheError, match="float16"):
+        float_cache.load(saved.serialize())
+    np.testing.assert_array_equal(float_cache.raw_keys(0), before)
+
+
+def test_litert_steps_read_halves_in_the_kernel():
+    """Decode and prefill entry points call the kernels' f16 forms on float16 cache tensors; the
+    graph-attention bundle casts the cache with builtin ops instead."""
+    expected = [("litert-graph", set())]
+    if kernel_available():
+        expected.append(("litert", {"litekv.decode_attention_f16", "litekv.prefill_attention_f16"}))
+    for backend, ops in expected:
+        model = schema.Model.GetRootAs((fp16_kv_bundle("llama", backend) / "model.tflite").read_bytes(), 0)
+        customs = {model.OperatorCodes(i).CustomCode().decode() for i in range(model.OperatorCodesLength())
+                   if model.OperatorCodes(i).CustomCode()}
+        assert customs == ops
+        graph = model.Subgraphs(0)
+        kv = [graph.Tensors(i) for i in range(graph.TensorsLength()) if graph.Tensors(i).Name() == b"kv_cache_k_0"]
+        assert kv and all(t.Type() == schema.TensorType.FLOAT16 for t in kv)
+
+
+def test_the_default_cache_is_float16_on_litert_and_float32_on_onnx():
+    """ONNX Runtime's GroupQueryAttention computes a float16 cache in float16 on the CPU, which ran
+    slower than float32 (bench/PERFORMANCE.md); litekv's kernels widen the halves as they read."""
+    assert ConvertOptions(backend="litert", max_context=64, prefill_lengths=(8,)).kv_format == "fp16"
+    assert ConvertOptions(backend="onnx", max_context=64, prefill_lengths=(8,)).kv_format == "fp32"
+    assert ConvertOptions(backend="litert", max_context=64, prefill_lengths=(8,), kv_cache="fp32").kv_format == "fp32"
+    assert open_executor(fp16_kv_bundle("llama", "onnx")).manifest.kv_dtype == "float16"
