@@ -18,8 +18,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from litekv.bundle import (ATTENTION_KINDS, BACKENDS, KV_CACHE_DTYPES, KV_CACHE_FORMATS, MANIFEST, SAMPLER_SIGNATURE, Manifest,
-                           SignatureInfo, write_atomic)
+from litekv.bundle import (ATTENTION_KINDS, BACKENDS, KV_CACHE_DTYPES, KV_CACHE_FORMATS, MANIFEST, SAMPLER_SIGNATURE,
+                           Manifest, SignatureInfo, write_atomic)
 from litekv.errors import ConfigError, LitekvError
 from litekv.models.config import ModelConfig
 
@@ -105,6 +105,11 @@ class ConvertOptions:
     def kv_format(self) -> str:
         """The KV cache's format, one of KV_CACHE_FORMATS (kv_cache, or the backend's default)."""
         return self.kv_cache or ("fp32" if self.backend == "onnx" else "fp16")
+
+    @property
+    def kv_dtype(self) -> str:
+        """The cache tensors' dtype (Manifest.kv_dtype)."""
+        return KV_CACHE_DTYPES[self.kv_format]
 
     def _attention_kind(self, choice: str | None) -> str:
         """What the manifest records for one kind of entry point: "kernel" by default on LiteRT,
@@ -274,7 +279,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
                              progress=lambda name, n=iter(range(1, len(sigs) + 1)): tick(next(n), len(sigs), name),
                              decode_attention=options.attention_kind,
                              prefill_attention=options.prefill_attention_kind, kv_scales=kv_scales,
-                             kv_dtype=KV_CACHE_DTYPES[options.kv_format])
+                             kv_dtype=options.kv_dtype)
         writer.write(staging / "model.tflite")
         bar.stage("writing model.tflite")(1, 1, f"{writer.data_bytes / 1e6:.0f} MB of weights")
         infos = tuple(SignatureInfo(s.name, "sampler" if s.sampler else ("decode" if s.tokens == 1 and s.logits
@@ -290,9 +295,8 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
 
         # The plain graph always; a LoRA-ready bundle adds a LoRA graph over the same weight file, so
         # running without an adapter costs exactly what a model converted without LoRA costs.
-        kv_dtype = KV_CACHE_DTYPES[options.kv_format]
         model, _ = emit_onnx(cfg, ckpt.weights, plan, None, options.max_context, kv_scales=kv_scales,
-                             kv_dtype=kv_dtype)
+                             kv_dtype=options.kv_dtype)
         bar.stage("tracing graph")(1, 1, f"{len(model.graph.node)} nodes")
         onnx.save_model(model, str(staging / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
                         location="model.onnx.data", size_threshold=1024)
@@ -300,7 +304,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         groups = {}
         if options.lora is not None:
             lora_model, groups = emit_onnx(cfg, ckpt.weights, plan, options.lora, options.max_context,
-                                           kv_scales=kv_scales, kv_dtype=kv_dtype)
+                                           kv_scales=kv_scales, kv_dtype=options.kv_dtype)
             share_external_data(lora_model, str(staging / "model.onnx"))
             onnx.save_model(lora_model, str(staging / "model_lora.onnx"))
             graphs.append(("model_lora", lora_model, True))
@@ -317,7 +321,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
     return Manifest(
         backend=options.backend, model_file=model_file, config=cfg, max_context=options.max_context,
         prefill_lengths=tuple(sorted(set(options.prefill_lengths))), kv_buckets=options.buckets(),
-        kv_layout=layout, kv_dtype=KV_CACHE_DTYPES[options.kv_format],
+        kv_layout=layout, kv_dtype=options.kv_dtype,
         quantization=plan.to_dict(), lora_rank=options.lora_rank,
         lora_targets=tuple(options.lora_targets) if options.lora_rank else (), signatures=infos,
         fingerprint=fingerprint(cfg, ckpt.weights, plan), chat_template=tok.chat_template,

@@ -26,12 +26,7 @@ import numpy as np
 from litekv.bundle import SAMPLER_INPUTS
 from litekv.models.base import architecture
 from litekv.models.config import ModelConfig, RopeConfig
-from litekv.native_attention import OP_NAME as DECODE_ATTENTION_OP
-from litekv.native_attention import OP_NAME_F16 as DECODE_ATTENTION_F16_OP
-from litekv.native_attention import OP_NAME_INT8 as DECODE_ATTENTION_INT8_OP
-from litekv.native_attention import PREFILL_OP_NAME as PREFILL_ATTENTION_OP
-from litekv.native_attention import PREFILL_OP_NAME_F16 as PREFILL_ATTENTION_F16_OP
-from litekv.native_attention import PREFILL_OP_NAME_INT8 as PREFILL_ATTENTION_INT8_OP
+from litekv.native_attention import op_name as attention_op_name
 
 from .graph_ops import GraphOps, LoraSpec, Signature, Sym, rope_tables
 from .quantize import QuantPlan, int8_per_channel
@@ -350,10 +345,7 @@ class TFLiteOps(GraphOps):
         sum p * code_v * s_v = s_v * sum p * code_v, so the query and the output carry the scales."""
         t, width = self.sig.tokens, self.cfg.num_heads * self.cfg.head_dim
         q = self.reshape(q, (1, t, width))
-        ops = ({"float32": DECODE_ATTENTION_OP, "float16": DECODE_ATTENTION_F16_OP, "int8": DECODE_ATTENTION_INT8_OP}
-               if t == 1 else {"float32": PREFILL_ATTENTION_OP, "float16": PREFILL_ATTENTION_F16_OP,
-                               "int8": PREFILL_ATTENTION_INT8_OP})
-        op = ops[self.kv_dtype]
+        op = attention_op_name(self.kv_dtype, prefill=t > 1)
         if self.kv_scales is None:
             q = self.binary("mul", q, self.const(np.float32(scale)))
         else:

@@ -30,9 +30,9 @@ SAMPLER_SIGNATURE = "sampler"
 # The sampler graph's scalar inputs, each of shape [1], in order: (name, dtype).
 SAMPLER_INPUTS = (("temperature", "float32"), ("top_k", "int32"), ("top_p", "float32"), ("seed", "int32"))
 BACKENDS = ("litert", "onnx")
-KV_CACHE_FORMATS = ("fp32", "fp16", "int8")
 # --kv-cache format -> the cache tensors' dtype (Manifest.kv_dtype)
 KV_CACHE_DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "int8"}
+KV_CACHE_FORMATS = tuple(KV_CACHE_DTYPES)
 
 
 class BundleError(LitekvError):

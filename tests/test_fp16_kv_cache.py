@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from ai_edge_litert import schema_py_generated as schema
 
-from conformance import _ROOT, PREFILL_LENGTHS, checkpoint_dir, executor, reference, relative_error
+from conformance import _ROOT, PREFILL_LENGTHS, checkpoint_dir, reference
+from kv_formats import assert_cache_round_trips, assert_steps_follow_reference, tflite_custom_ops_and_cache_types
 from litekv.converters.convert import ConvertOptions, convert
 from litekv.executor import open_executor
-from litekv.kv_cache import KVCacheError
 from litekv.native_attention import available as kernel_available
 from model_factory import ARCHITECTURES
 
@@ -57,36 +57,12 @@ def test_fp16_cache_holds_the_reference_keys_and_values_rounded(arch, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_fp16_cache_logits_stay_close_to_the_reference(arch, backend):
-    ex, ref = open_executor(fp16_kv_bundle(arch, backend)), reference(arch)
-    prompt = np.random.default_rng(5).integers(3, ex.config.vocab_size, 9)
-    ours, theirs = ex.create_kv_cache(), ref.create_kv_cache()
-    ex.prefill(prompt[:-1], ours)
-    ref.prefill(prompt[:-1], theirs)
-    token = prompt[-1]
-    for _ in range(8):
-        mine, exact = ex.step([token], ours), ref.step([token], theirs)
-        assert relative_error(mine, exact) < 0.01
-        token = int(np.argmax(exact))
+    assert_steps_follow_reference(open_executor(fp16_kv_bundle(arch, backend)), reference(arch), 0.01)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fp16_cache_round_trips_through_serialization(backend):
-    ex = open_executor(fp16_kv_bundle("llama", backend))
-    prompt = list(np.random.default_rng(9).integers(3, ex.config.vocab_size, 10))
-    straight = ex.create_kv_cache()
-    ex.prefill(prompt, straight)
-    expected = ex.sample_tokens(6, [5], straight)
-    saved = ex.create_kv_cache()
-    ex.prefill(prompt, saved)
-    restored = ex.create_kv_cache()
-    restored.load(saved.serialize())
-    assert restored.dtype == np.float16
-    np.testing.assert_array_equal(ex.sample_tokens(6, [5], restored), expected)
-    float_cache = executor("llama", backend.split("-")[0]).create_kv_cache()
-    before = float_cache.raw_keys(0).copy()
-    with pytest.raises(KVCacheError, match="float16"):
-        float_cache.load(saved.serialize())
-    np.testing.assert_array_equal(float_cache.raw_keys(0), before)
+    assert_cache_round_trips(open_executor(fp16_kv_bundle("llama", backend)), backend, np.float16)
 
 
 def test_litert_steps_read_halves_in_the_kernel():
@@ -96,13 +72,9 @@ def test_litert_steps_read_halves_in_the_kernel():
     if kernel_available():
         expected.append(("litert", {"litekv.decode_attention_f16", "litekv.prefill_attention_f16"}))
     for backend, ops in expected:
-        model = schema.Model.GetRootAs((fp16_kv_bundle("llama", backend) / "model.tflite").read_bytes(), 0)
-        customs = {model.OperatorCodes(i).CustomCode().decode() for i in range(model.OperatorCodesLength())
-                   if model.OperatorCodes(i).CustomCode()}
+        customs, kv_types = tflite_custom_ops_and_cache_types(fp16_kv_bundle("llama", backend) / "model.tflite")
         assert customs == ops
-        graph = model.Subgraphs(0)
-        kv = [graph.Tensors(i) for i in range(graph.TensorsLength()) if graph.Tensors(i).Name() == b"kv_cache_k_0"]
-        assert kv and all(t.Type() == schema.TensorType.FLOAT16 for t in kv)
+        assert kv_types and all(t == schema.TensorType.FLOAT16 for t in kv_types)
 
 
 def test_the_default_cache_is_float16_on_litert_and_float32_on_onnx():

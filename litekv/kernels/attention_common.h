@@ -30,6 +30,8 @@ INLINE v16 load16(const float *p) {
  * statically scaled cache ("_int8"), or float16 ("_f16", half a float32 cache's bytes to read). */
 typedef enum { CACHE_F32 = 0, CACHE_I8 = 1, CACHE_F16 = 2 } CacheType;
 
+INLINE int valid_cache_type(int type) { return type >= CACHE_F32 && type <= CACHE_F16; }
+
 INLINE size_t cache_element_bytes(int type) { return type == CACHE_I8 ? 1 : type == CACHE_F16 ? 2 : 4; }
 
 /* A float16's bits as a float, in integer and float arithmetic that vectorizes: GCC converts
@@ -63,6 +65,19 @@ INLINE void widen_halves(float *restrict out, const uint16_t *restrict in, size_
     }
 #endif
     for (size_t i = 0; i < count; i++) out[i] = half_to_float(in[i]);
+}
+
+/* Elements at..at+count-1 of an int8 (element_bytes 1) or float16 (2) cache as floats: plain
+ * loops, which the vectorizer turns into widening loads (vpmovsxbd) and conversions, where
+ * converting vector-extension types went lane by lane. `element_bytes` is a constant where this
+ * is inlined, so one loop remains. */
+INLINE void widen(float *restrict out, const void *restrict cache, size_t element_bytes, size_t at, size_t count) {
+    if (element_bytes == 1) {
+        const int8_t *restrict in = (const int8_t *)cache + at;
+        for (size_t i = 0; i < count; i++) out[i] = (float)in[i];
+    } else {
+        widen_halves(out, (const uint16_t *)cache + at, count);
+    }
 }
 
 /* Element i of a cache as a float. */

@@ -133,18 +133,6 @@ INLINE float softmax_numerators(float *restrict scores, const float *restrict ma
     return total;
 }
 
-/* int8 codes or float16 as floats: plain loops, which the vectorizer turns into widening loads
- * (vpmovsxbd) and conversions, where converting vector-extension types went lane by
- * lane. `element_bytes` is a constant where this is inlined, so one loop remains. */
-INLINE void widen(float *restrict out, const void *restrict cache, size_t element_bytes, size_t at, size_t count) {
-    if (element_bytes == 1) {
-        const int8_t *restrict in = (const int8_t *)cache + at;
-        for (size_t i = 0; i < count; i++) out[i] = (float)in[i];
-    } else {
-        widen_halves(out, (const uint16_t *)cache + at, count);
-    }
-}
-
 /* Lane r of the result is the sum of the 16 lanes of a[r]: a transpose-and-add tree, 45 vector
  * operations for 16 dot products instead of 16 horizontal sums. */
 INLINE v16 sum16x16(const v16 *a) {
@@ -687,7 +675,7 @@ int litekv_attention_kernel(Kernel *kernel, int cache_type, int prefill) {
     static void *const decode_runs[] = {(void *)op_run, (void *)op_run_int8, (void *)op_run_f16};
     static void *const prefill_runs[] = {(void *)op_run_prefill, (void *)op_run_prefill_int8,
                                          (void *)op_run_prefill_f16};
-    if (cache_type < CACHE_F32 || cache_type > CACHE_F16) return STATUS_INVALID_ARGUMENT;
+    if (!valid_cache_type(cache_type)) return STATUS_INVALID_ARGUMENT;
     kernel->init = (void *)op_init;
     kernel->output_layouts = (void *)op_output_layouts;
     kernel->run = prefill ? prefill_runs[cache_type] : decode_runs[cache_type];
@@ -728,7 +716,7 @@ void litekv_attention_release(AttentionConfig *cfg) {
  * [H*D], keys and values [slots, KVH*D] (elements of `cache_type`), mask [slots], out [H*D]. */
 int litekv_attention_run(AttentionConfig *cfg, const float *query, const void *keys, const void *values,
                          const float *mask, float *out, int heads, int kv_heads, int slots, int cache_type) {
-    if (heads <= 0 || kv_heads <= 0 || slots <= 0 || cache_type < CACHE_F32 || cache_type > CACHE_F16)
+    if (heads <= 0 || kv_heads <= 0 || slots <= 0 || !valid_cache_type(cache_type))
         return STATUS_INVALID_ARGUMENT;
     if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
     const size_t n = (size_t)slots * kv_heads * cfg->head_dim;
@@ -744,7 +732,7 @@ int litekv_attention_run(AttentionConfig *cfg, const float *query, const void *k
  * (elements of `cache_type`), mask [tokens][slots]. */
 int litekv_prefill_attention_run(AttentionConfig *cfg, const float *query, const void *keys, const void *values,
                                  const float *mask, float *out, int tokens, int kv_heads, int slots, int cache_type) {
-    if (tokens <= 0 || kv_heads <= 0 || slots <= 0 || cache_type < CACHE_F32 || cache_type > CACHE_F16)
+    if (tokens <= 0 || kv_heads <= 0 || slots <= 0 || !valid_cache_type(cache_type))
         return STATUS_INVALID_ARGUMENT;
     if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
     const size_t nq = (size_t)tokens * cfg->num_heads * cfg->head_dim, nk = (size_t)slots * kv_heads * cfg->head_dim;

@@ -56,8 +56,8 @@ size_t prefill_scratch_floats(int heads, int head_dim, int max_slots) {
 }
 
 /* Rows first..first+count-1 of KV head `kv` in a cache as floats, and the stride between them:
- * float rows where they lie, int8 codes or float16 widened into `buffer` [count][D] by plain
- * loops (which vectorize; converting a vector-extension type of int8 went lane by lane). */
+ * float rows where they lie, int8 codes or float16 widened into `buffer` [count][D] a row at a
+ * time. */
 INLINE const float *cache_rows(const PrefillJob *job, const void *cache, int first, int count, int kv,
                                float *restrict buffer, size_t *stride) {
     const int d = job->head_dim;
@@ -66,14 +66,8 @@ INLINE const float *cache_rows(const PrefillJob *job, const void *cache, int fir
         *stride = (size_t)job->row;
         return (const float *)cache + at;
     }
-    if (job->cache_type == CACHE_F16) {
-        const uint16_t *restrict halves = (const uint16_t *)cache + at;
-        for (int i = 0; i < count; i++) widen_halves(buffer + (size_t)i * d, halves + (size_t)i * job->row, (size_t)d);
-    } else {
-        const int8_t *restrict codes = (const int8_t *)cache + at;
-        for (int i = 0; i < count; i++)
-            for (int j = 0; j < d; j++) buffer[(size_t)i * d + j] = (float)codes[(size_t)i * job->row + j];
-    }
+    for (int i = 0; i < count; i++)
+        widen(buffer + (size_t)i * d, cache, cache_element_bytes(job->cache_type), at + (size_t)i * job->row, (size_t)d);
     *stride = (size_t)d;
     return buffer;
 }

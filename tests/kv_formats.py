@@ -1,0 +1,56 @@
+"""Checks shared by the tests of the KV cache formats other than float32 (int8, float16)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from ai_edge_litert import schema_py_generated as schema
+
+from conformance import executor, relative_error
+from litekv.kv_cache import KVCacheError
+
+
+def assert_steps_follow_reference(ex, ref, tolerance: float, steps: int = 8) -> None:
+    """After the same prefill, each step's logits stay within `tolerance` of the reference's, fed
+    the reference's greedy tokens."""
+    prompt = np.random.default_rng(5).integers(3, ex.config.vocab_size, 9)
+    ours, theirs = ex.create_kv_cache(), ref.create_kv_cache()
+    ex.prefill(prompt[:-1], ours)
+    ref.prefill(prompt[:-1], theirs)
+    token = prompt[-1]
+    for _ in range(steps):
+        mine, exact = ex.step([token], ours), ref.step([token], theirs)
+        assert relative_error(mine, exact) < tolerance
+        token = int(np.argmax(exact))
+
+
+def assert_cache_round_trips(ex, backend: str, dtype) -> None:
+    """A serialized cache of `dtype` loads back and samples the same tokens; a float32 cache of
+    the same model refuses it, naming the dtype, and stays as it was."""
+    prompt = list(np.random.default_rng(9).integers(3, ex.config.vocab_size, 10))
+    straight = ex.create_kv_cache()
+    ex.prefill(prompt, straight)
+    expected = ex.sample_tokens(6, [5], straight)
+    saved = ex.create_kv_cache()
+    ex.prefill(prompt, saved)
+    restored = ex.create_kv_cache()
+    restored.load(saved.serialize())
+    assert restored.dtype == dtype
+    np.testing.assert_array_equal(ex.sample_tokens(6, [5], restored), expected)
+    float_cache = executor("llama", backend.split("-")[0]).create_kv_cache()
+    before = float_cache.raw_keys(0).copy()
+    with pytest.raises(KVCacheError, match=np.dtype(dtype).name):
+        float_cache.load(saved.serialize())
+    np.testing.assert_array_equal(float_cache.raw_keys(0), before)
+
+
+def tflite_custom_ops_and_cache_types(model_file: Path) -> tuple[set[str], list[int]]:
+    """The custom op names a TFLite file calls, and the tensor types of its first entry point's
+    `kv_cache_k_0` tensors."""
+    model = schema.Model.GetRootAs(Path(model_file).read_bytes(), 0)
+    customs = {model.OperatorCodes(i).CustomCode().decode() for i in range(model.OperatorCodesLength())
+               if model.OperatorCodes(i).CustomCode()}
+    graph = model.Subgraphs(0)
+    return customs, [graph.Tensors(i).Type() for i in range(graph.TensorsLength())
+                     if graph.Tensors(i).Name() == b"kv_cache_k_0"]
