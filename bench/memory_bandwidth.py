@@ -28,22 +28,29 @@ def build(directory: Path) -> Path:
     return compile_c(directory / "memory_bandwidth", "-O3", "-march=native", "-fopenmp", str(SOURCE))
 
 
+def read_rates(sizes_mib: tuple[int, ...] = SIZES_MIB, prefetch: tuple[int, ...] = PREFETCH_FLOATS,
+               threads: int = 2, repeats: int = 20) -> list[dict]:
+    """One result per (array size, prefetch distance): the best read rate of `repeats` passes."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_PROC_BIND": "close"}
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = build(Path(tmp))
+        for mib in sizes_mib:
+            for ahead in prefetch:
+                out = subprocess.run([str(binary), str(mib), str(repeats), str(ahead)], env=env,
+                                     capture_output=True, text=True, check=True)
+                results.append(json.loads(out.stdout))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "OMP_PROC_BIND": "close"}
-    rows, results = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        binary = build(Path(tmp))
-        for mib in SIZES_MIB:
-            for ahead in PREFETCH_FLOATS:
-                out = subprocess.run([str(binary), str(mib), str(args.repeats), str(ahead)], env=env,
-                                     capture_output=True, text=True, check=True)
-                result = json.loads(out.stdout)
-                results.append(result)
-                rows.append([f"{mib * 1.048576:.0f} MB", "yes" if ahead else "no", f"{result['gb_s']:.1f}"])
+    results = read_rates(threads=args.threads, repeats=args.repeats)
+    rows = [[f"{r['mib'] * 1.048576:.0f} MB", "yes" if r["prefetch_floats"] else "no", f"{r['gb_s']:.1f}"]
+            for r in results]
     print(markdown_table(["array", "software prefetch", "read GB/s (best of repeats)"], rows))
     save("memory_bandwidth", {"threads": args.threads, "results": results})
 
