@@ -10,7 +10,8 @@ import pytest
 from ai_edge_litert import schema_py_generated as schema
 
 from conformance import _ROOT, PREFILL_LENGTHS, checkpoint_dir, reference
-from kv_formats import assert_cache_round_trips, assert_steps_follow_reference, tflite_custom_ops_and_cache_types
+from kv_formats import (assert_cache_round_trips, assert_steps_follow_reference, caches_after_a_prompt,
+                        tflite_custom_ops_and_cache_types)
 from litekv.converters.convert import ConvertOptions, convert
 from litekv.executor import open_executor
 from litekv.native_attention import available as kernel_available
@@ -38,20 +39,11 @@ def test_fp16_cache_holds_the_reference_keys_and_values_rounded(arch, backend):
     relative), except ONNX keys, which GroupQueryAttention rotates in float16 after the rounding.
     Later layers carry the earlier layers' rounding too: still about 1e-4 of the values' size."""
     ex, ref = open_executor(fp16_kv_bundle(arch, backend)), reference(arch)
-    prompt = np.random.default_rng(3).integers(3, ex.config.vocab_size, 13)
-    ours, theirs = ex.create_kv_cache(), ref.create_kv_cache()
-    ex.prefill(prompt[:-1], ours)  # 8 + 4 chunks
-    ref.prefill(prompt[:-1], theirs)
-    ex.step([prompt[-1]], ours)
-    ref.step([prompt[-1]], theirs)
-    assert ours.dtype == np.float16 and ours.num_tokens == 13
-    for layer in range(ex.config.num_layers):
-        for kind, got, exact in (("k", ours.key_cache(layer), theirs.key_cache(layer)),
-                                 ("v", ours.value_cache(layer), theirs.value_cache(layer))):
-            error = np.abs(got.astype(np.float32) - exact)
-            if layer == 0 and (kind == "v" or backend != "onnx"):
-                assert np.all(error <= np.abs(exact) * 2.0 ** -11 * 1.01 + 1e-6), kind
-            assert np.mean(error) < 1e-3 * np.mean(np.abs(exact)), (kind, layer)
+    for layer, kind, got, exact in caches_after_a_prompt(ex, ref, np.float16):
+        error = np.abs(got.astype(np.float32) - exact)
+        if layer == 0 and (kind == "v" or backend != "onnx"):
+            assert np.all(error <= np.abs(exact) * 2.0 ** -11 * 1.01 + 1e-6), kind
+        assert np.mean(error) < 1e-3 * np.mean(np.abs(exact)), (kind, layer)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -10,7 +10,8 @@ import pytest
 from ai_edge_litert import schema_py_generated as schema
 
 from conformance import _ROOT, PREFILL_LENGTHS, checkpoint_dir, reference, relative_error
-from kv_formats import assert_cache_round_trips, assert_steps_follow_reference, tflite_custom_ops_and_cache_types
+from kv_formats import (assert_cache_round_trips, assert_steps_follow_reference, caches_after_a_prompt,
+                        tflite_custom_ops_and_cache_types)
 from litekv.converters.convert import ConvertOptions, convert
 from litekv.errors import ConfigError
 from litekv.executor import open_executor
@@ -58,23 +59,14 @@ def test_int8_cache_holds_the_reference_keys_and_values(arch, backend):
     at the calibrated range). Later layers also carry the earlier layers' rounding."""
     bundle = int8_kv_bundle(arch, backend)
     ex, ref = open_executor(bundle), reference(arch)
-    prompt = np.random.default_rng(3).integers(3, ex.config.vocab_size, 13)
-    ours, theirs = ex.create_kv_cache(), ref.create_kv_cache()
-    ex.prefill(prompt[:-1], ours)  # 8 + 4 chunks
-    ref.prefill(prompt[:-1], theirs)
-    ex.step([prompt[-1]], ours)
-    ref.step([prompt[-1]], theirs)
-    assert ours.dtype == np.int8 and ours.num_tokens == 13
-    for layer in range(ex.config.num_layers):
-        for kind, codes, exact in (("k", ours.key_cache(layer), theirs.key_cache(layer)),
-                                   ("v", ours.value_cache(layer), theirs.value_cache(layer))):
-            step = scales(bundle, kind, layer)
-            clipped = np.maximum(np.abs(exact) - 127 * step, 0)  # beyond the calibrated range
-            error = np.abs(codes.astype(np.float32) * step - exact)
-            if layer == 0:
-                assert np.all(error <= step / 2 + clipped + 1e-6), kind
-            assert np.mean(error / step) < 1.0, (kind, layer)
-            assert np.mean(clipped > 0) < 0.02, (kind, layer)
+    for layer, kind, codes, exact in caches_after_a_prompt(ex, ref, np.int8):
+        step = scales(bundle, kind, layer)
+        clipped = np.maximum(np.abs(exact) - 127 * step, 0)  # beyond the calibrated range
+        error = np.abs(codes.astype(np.float32) * step - exact)
+        if layer == 0:
+            assert np.all(error <= step / 2 + clipped + 1e-6), kind
+        assert np.mean(error / step) < 1.0, (kind, layer)
+        assert np.mean(clipped > 0) < 0.02, (kind, layer)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
