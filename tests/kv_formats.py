@@ -1,14 +1,33 @@
 """Checks shared by the tests of the KV cache formats other than float32 (int8, float16)."""
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import pytest
 from ai_edge_litert import schema_py_generated as schema
 
-from conformance import executor, relative_error
+from conformance import _ROOT, PREFILL_LENGTHS, checkpoint_dir, executor, relative_error
+from litekv.converters.convert import ConvertOptions, convert
 from litekv.kv_cache import KVCacheError
+from litekv.native_attention import available as kernel_available
+
+MAX_CONTEXT = 64
+KV_BUCKETS = (16, 32, 64)
+# LiteRT with litekv's kernel (its form for the cache's type) and with builtin ops only.
+BACKENDS = ["onnx", pytest.param("litert", marks=pytest.mark.skipif(not kernel_available(), reason="no kernel")),
+            "litert-graph"]
+
+
+@lru_cache(maxsize=None)
+def kv_format_bundle(arch: str, backend: str, kv_cache: str, lora_rank: int | None = None) -> Path:
+    """A test model converted with a `kv_cache` ("int8", "fp16") cache for one of BACKENDS."""
+    attention = "graph" if backend == "litert-graph" else "kernel"
+    litert = dict(kv_buckets=KV_BUCKETS, decode_attention=attention, prefill_attention=attention)
+    options = ConvertOptions(backend=backend.split("-")[0], max_context=MAX_CONTEXT, prefill_lengths=PREFILL_LENGTHS,
+                             kv_cache=kv_cache, lora_rank=lora_rank, **(litert if backend != "onnx" else {}))
+    return convert(checkpoint_dir(arch), _ROOT / f"{arch}-{backend}-kv{kv_cache}-lora{lora_rank}", options)
 
 
 def assert_steps_follow_reference(ex, ref, tolerance: float, steps: int = 8) -> None:

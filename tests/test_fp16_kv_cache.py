@@ -3,33 +3,21 @@
 GroupQueryAttention runs in float16."""
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 import pytest
 from ai_edge_litert import schema_py_generated as schema
 
-from conformance import _ROOT, PREFILL_LENGTHS, checkpoint_dir, reference
-from kv_formats import (assert_cache_round_trips, assert_steps_follow_reference, caches_after_a_prompt,
-                        tflite_custom_ops_and_cache_types)
-from litekv.converters.convert import ConvertOptions, convert
+from conformance import reference
+from kv_formats import (BACKENDS, assert_cache_round_trips, assert_steps_follow_reference, caches_after_a_prompt,
+                        kv_format_bundle, tflite_custom_ops_and_cache_types)
+from litekv.converters.convert import ConvertOptions
 from litekv.executor import open_executor
 from litekv.native_attention import available as kernel_available
 from model_factory import ARCHITECTURES
 
-MAX_CONTEXT = 64
-KV_BUCKETS = (16, 32, 64)
-BACKENDS = ["onnx", pytest.param("litert", marks=pytest.mark.skipif(not kernel_available(), reason="no kernel")),
-            "litert-graph"]
 
-
-@lru_cache(maxsize=None)
 def fp16_kv_bundle(arch: str, backend: str = "onnx"):
-    attention = "graph" if backend == "litert-graph" else "kernel"
-    litert = dict(kv_buckets=KV_BUCKETS, decode_attention=attention, prefill_attention=attention)
-    options = ConvertOptions(backend=backend.split("-")[0], max_context=MAX_CONTEXT, prefill_lengths=PREFILL_LENGTHS,
-                             kv_cache="fp16", **(litert if backend != "onnx" else {}))
-    return convert(checkpoint_dir(arch), _ROOT / f"{arch}-{backend}-kv16", options)
+    return kv_format_bundle(arch, backend, "fp16")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
