@@ -267,8 +267,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
     if options.kv_format == "int8":
         from .kv_calibration import int8_kv_scales
 
-        kv_scales = int8_kv_scales(cfg, ckpt.weights, ckpt.tokenizer)
-        bar.stage("calibrating int8 KV")(1, 1, "")
+        kv_scales = int8_kv_scales(cfg, ckpt.weights, ckpt.tokenizer, progress=bar.stage("calibrating int8 KV"))
     if options.backend == "litert":
         from .emit_tflite import LORA_LAYOUT as TFLITE_LORA_LAYOUT
         from .emit_tflite import emit_tflite

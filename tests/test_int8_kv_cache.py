@@ -7,9 +7,11 @@ import onnx
 import pytest
 from ai_edge_litert import schema_py_generated as schema
 
-from conformance import reference, relative_error
+from conformance import checkpoint_dir, reference, relative_error
 from kv_formats import (BACKENDS, assert_cache_round_trips, assert_steps_follow_reference, caches_after_a_prompt,
                         kv_format_bundle, tflite_custom_ops_and_cache_types)
+from litekv.converters import kv_calibration
+from litekv.converters.checkpoint import load_checkpoint
 from litekv.converters.convert import ConvertOptions
 from litekv.errors import ConfigError
 from litekv.executor import open_executor
@@ -76,6 +78,25 @@ def test_litert_steps_read_int8_codes_in_the_kernel():
         customs, kv_types = tflite_custom_ops_and_cache_types(int8_kv_bundle("llama", backend) / "model.tflite")
         assert customs == ops
         assert kv_types and all(t == schema.TensorType.INT8 for t in kv_types)
+
+
+def test_calibration_covers_every_text_with_its_headroom():
+    """The scales hold the widest |K| and |V| any calibration text wrote, times the key and value
+    headrooms; a text that reaches further in any channel widens that channel's scale."""
+    ckpt = load_checkpoint(checkpoint_dir("llama"))
+    texts = ("A short note about trains.", "x = [3 ** i for i in range(9)]  # powers of three")
+    calibrate = lambda *chosen: kv_calibration.int8_kv_scales(ckpt.config, ckpt.weights, ckpt.tokenizer, chosen)
+    (k_both, v_both), (k_one, v_one), (k_two, v_two) = calibrate(*texts), calibrate(texts[0]), calibrate(texts[1])
+    np.testing.assert_allclose(k_both, np.maximum(k_one, k_two), rtol=1e-6)
+    np.testing.assert_allclose(v_both, np.maximum(v_one, v_two), rtol=1e-6)
+    assert np.any(k_two > k_one) and np.any(v_two > v_one)  # the second text does reach further
+    ids = kv_calibration._prompt(ckpt.tokenizer, texts[0])
+    model = kv_calibration.ReferenceModel(ckpt.config, dict(ckpt.weights))
+    key_bound, value_bound = kv_calibration._bounds(ckpt.config, model, ids)
+    moved = value_bound > 1e-2 * value_bound.max()  # channels above the floor
+    np.testing.assert_allclose((v_one * 127 / value_bound)[moved], kv_calibration.VALUE_HEADROOM, rtol=1e-5)
+    np.testing.assert_allclose((k_one * 127 / key_bound)[key_bound > 1e-2 * key_bound.max()],
+                               kv_calibration.KEY_HEADROOM, rtol=1e-5)
 
 
 def test_unknown_kv_cache_format_is_refused():
