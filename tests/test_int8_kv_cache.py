@@ -80,23 +80,33 @@ def test_litert_steps_read_int8_codes_in_the_kernel():
         assert kv_types and all(t == schema.TensorType.INT8 for t in kv_types)
 
 
-def test_calibration_covers_every_text_with_its_headroom():
-    """The scales hold the widest |K| and |V| any calibration text wrote, times the key and value
-    headrooms; a text that reaches further in any channel widens that channel's scale."""
+def _calibrate(*texts: str):
     ckpt = load_checkpoint(checkpoint_dir("llama"))
-    texts = ("A short note about trains.", "x = [3 ** i for i in range(9)]  # powers of three")
-    calibrate = lambda *chosen: kv_calibration.int8_kv_scales(ckpt.config, ckpt.weights, ckpt.tokenizer, chosen)
-    (k_both, v_both), (k_one, v_one), (k_two, v_two) = calibrate(*texts), calibrate(texts[0]), calibrate(texts[1])
+    return kv_calibration.int8_kv_scales(ckpt.config, ckpt.weights, ckpt.tokenizer, texts)
+
+
+CALIBRATION_PAIR = ("A short note about trains.", "x = [3 ** i for i in range(9)]  # powers of three")
+
+
+def test_calibration_takes_the_widest_range_over_its_texts():
+    """A text that reaches further in any channel widens that channel's scale, and only that."""
+    (k_both, v_both), (k_one, v_one), (k_two, v_two) = (_calibrate(*CALIBRATION_PAIR), _calibrate(CALIBRATION_PAIR[0]),
+                                                        _calibrate(CALIBRATION_PAIR[1]))
     np.testing.assert_allclose(k_both, np.maximum(k_one, k_two), rtol=1e-6)
     np.testing.assert_allclose(v_both, np.maximum(v_one, v_two), rtol=1e-6)
     assert np.any(k_two > k_one) and np.any(v_two > v_one)  # the second text does reach further
-    ids = kv_calibration._prompt(ckpt.tokenizer, texts[0])
+
+
+def test_calibration_scales_leave_the_key_and_value_headrooms():
+    """code 127 stands for the calibrated bound times KEY_HEADROOM (keys) or VALUE_HEADROOM (values)."""
+    ckpt = load_checkpoint(checkpoint_dir("llama"))
     model = kv_calibration.ReferenceModel(ckpt.config, dict(ckpt.weights))
-    key_bound, value_bound = kv_calibration._bounds(ckpt.config, model, ids)
-    moved = value_bound > 1e-2 * value_bound.max()  # channels above the floor
-    np.testing.assert_allclose((v_one * 127 / value_bound)[moved], kv_calibration.VALUE_HEADROOM, rtol=1e-5)
-    np.testing.assert_allclose((k_one * 127 / key_bound)[key_bound > 1e-2 * key_bound.max()],
-                               kv_calibration.KEY_HEADROOM, rtol=1e-5)
+    ids = kv_calibration._prompt(ckpt.tokenizer, CALIBRATION_PAIR[0])
+    bounds = kv_calibration._bounds(ckpt.config, model, ids)
+    for scales, bound, headroom in zip(_calibrate(CALIBRATION_PAIR[0]), bounds,
+                                       (kv_calibration.KEY_HEADROOM, kv_calibration.VALUE_HEADROOM)):
+        moved = bound > 1e-2 * bound.max()  # well above the floor a still channel gets
+        np.testing.assert_allclose((scales * 127 / bound)[moved], headroom, rtol=1e-5)
 
 
 def test_unknown_kv_cache_format_is_refused():
