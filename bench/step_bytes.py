@@ -11,9 +11,10 @@ At 2,048 live tokens a step reads 1,984 tokens' rows more than at 64. Read at th
 those bytes add at least `extra / rate` to the 64-token step, so no kernel can make the step ratio
 2,048 / 64 smaller than `1 + extra / rate / step(64)`. The rate is the higher of what the C read
 loop of bench/memory_bandwidth.py reaches now (2 threads, 540 MB) and what the sweep's fastest
-64-token step read its constants at (the machine drifts by tens of percent within minutes). The table sets that floor beside the ratio bench/step_vs_context.py
-measured (its results/step_vs_context.json, when present) and the read rate the cache's bytes got
-in that sweep: the extra bytes over the extra time.
+64-token step read its constants at (the machine drifts by tens of percent within minutes). The
+table sets that floor beside the ratio bench/step_vs_context.py measured (its
+results/step_vs_context.json, when present) and the read rate the cache's bytes got in that sweep:
+the extra bytes over the extra time.
 
 A second floor adds what the platform costs every LiteRT attention call: its second core joins a
 call only after a handoff (XNNPACK's worker spins on that core after its last task, and a wake-up

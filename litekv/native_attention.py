@@ -30,15 +30,13 @@ CACHE_DTYPES = (np.dtype(np.float32), np.dtype(np.int8), np.dtype(np.float16))
 # op name -> (CacheType, prefill)
 _FORMS = {OP_NAME: (0, False), OP_NAME_INT8: (1, False), OP_NAME_F16: (2, False), PREFILL_OP_NAME: (0, True),
           PREFILL_OP_NAME_INT8: (1, True), PREFILL_OP_NAME_F16: (2, True)}
+OP_VERSION = 1
+_MODULE = "litekv._decode_attention"
 
 
 def op_name(kv_dtype: str, prefill: bool) -> str:
     """The custom op a graph calls for a cache of `kv_dtype` ("float32", "int8" or "float16")."""
     return next(name for name, form in _FORMS.items() if form == (CACHE_DTYPES.index(np.dtype(kv_dtype)), prefill))
-
-
-OP_VERSION = 1
-_MODULE = "litekv._decode_attention"
 
 
 class AttentionConfig(ctypes.Structure):

@@ -2,6 +2,8 @@
 GroupQueryAttention and in LiteRT (the graph quantizes new rows, litekv's kernel reads the codes)."""
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 import onnx
 import pytest
@@ -80,8 +82,13 @@ def test_litert_steps_read_int8_codes_in_the_kernel():
         assert kv_types and all(t == schema.TensorType.INT8 for t in kv_types)
 
 
+@lru_cache(maxsize=1)
+def _checkpoint():
+    return load_checkpoint(checkpoint_dir("llama"))
+
+
 def _calibrate(*texts: str):
-    ckpt = load_checkpoint(checkpoint_dir("llama"))
+    ckpt = _checkpoint()
     return kv_calibration.int8_kv_scales(ckpt.config, ckpt.weights, ckpt.tokenizer, texts)
 
 
@@ -90,19 +97,17 @@ CALIBRATION_PAIR = ("A short note about trains.", "x = [3 ** i for i in range(9)
 
 def test_calibration_takes_the_widest_range_over_its_texts():
     """A text that reaches further in any channel widens that channel's scale, and only that."""
-    (k_both, v_both), (k_one, v_one), (k_two, v_two) = (_calibrate(*CALIBRATION_PAIR), _calibrate(CALIBRATION_PAIR[0]),
-                                                        _calibrate(CALIBRATION_PAIR[1]))
-    np.testing.assert_allclose(k_both, np.maximum(k_one, k_two), rtol=1e-6)
-    np.testing.assert_allclose(v_both, np.maximum(v_one, v_two), rtol=1e-6)
-    assert np.any(k_two > k_one) and np.any(v_two > v_one)  # the second text does reach further
+    both, one, two = _calibrate(*CALIBRATION_PAIR), _calibrate(CALIBRATION_PAIR[0]), _calibrate(CALIBRATION_PAIR[1])
+    for kind in (0, 1):  # keys, values
+        np.testing.assert_allclose(both[kind], np.maximum(one[kind], two[kind]), rtol=1e-6)
+        assert np.any(two[kind] > one[kind])  # the second text does reach further
 
 
 def test_calibration_scales_leave_the_key_and_value_headrooms():
     """code 127 stands for the calibrated bound times KEY_HEADROOM (keys) or VALUE_HEADROOM (values)."""
-    ckpt = load_checkpoint(checkpoint_dir("llama"))
+    ckpt = _checkpoint()
     model = kv_calibration.ReferenceModel(ckpt.config, dict(ckpt.weights))
-    ids = kv_calibration._prompt(ckpt.tokenizer, CALIBRATION_PAIR[0])
-    bounds = kv_calibration._bounds(ckpt.config, model, ids)
+    bounds = kv_calibration._bounds(ckpt.config, model, kv_calibration._prompt(ckpt.tokenizer, CALIBRATION_PAIR[0]))
     for scales, bound, headroom in zip(_calibrate(CALIBRATION_PAIR[0]), bounds,
                                        (kv_calibration.KEY_HEADROOM, kv_calibration.VALUE_HEADROOM)):
         moved = bound > 1e-2 * bound.max()  # well above the floor a still channel gets
