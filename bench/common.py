@@ -13,9 +13,16 @@ from pathlib import Path
 from typing import Callable
 
 from litekv.catalog import cache_dir, checkpoint_path
-from litekv.converters.convert import ConvertOptions, convert
+from litekv.converters.convert import ConvertOptions, convert, default_kv_cache
 
 RESULTS = Path(__file__).parent / "results"
+# The two KV caches each backend's step sweeps cover: LiteRT float16 and int8, ONNX float32 and int8.
+SWEEP_CACHES = (("litert", "fp16"), ("onnx", "fp32"), ("litert", "int8"), ("onnx", "int8"))
+
+
+def sweep_label(backend: str, quantize: str, kv_cache: str) -> str:
+    """A bundle's name in the step sweeps' tables; "*" marks the converter's default cache for it."""
+    return f"{backend}-{quantize}-kv{kv_cache}" + ("*" if kv_cache == default_kv_cache(backend, quantize) else "")
 
 
 def compile_c(output: Path, *arguments: str) -> Path:

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from common import RESULTS, markdown_table
+from litekv.converters.convert import default_kv_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT / "bench" / "peers"
@@ -55,15 +56,15 @@ class System:
 
 def systems() -> list[System]:
     out = []
-    # The default KV cache (float16 on LiteRT, float32 on ONNX), and an int8 one.
-    litekv_bundles = (("litert", "LiteRT", None), ("onnx", "ONNX Runtime", None),
-                      ("litert", "LiteRT", "int8"), ("onnx", "ONNX Runtime", "int8"))
-    for backend, label, kv in litekv_bundles:
-        for quantize, cls in (("fp32", "fp32"), ("int8", "8-bit"), ("int4", "4-bit")):
-            name = f"litekv {label} {quantize}" + ("" if kv is None else f" + {kv} KV")
-            out.append(System(name, cls, MAIN_PYTHON, ["bench/peers/run_litekv.py", "--backend", backend,
-                                                       "--quantize", quantize, *(["--kv-cache", kv] if kv else [])],
-                              litekv=True))
+    # Each backend with two KV caches, its default for the weights first: LiteRT float16 (int8 with
+    # int4 weights), ONNX float32 (and int8).
+    for backend, label, caches in (("litert", "LiteRT", ("fp16", "int8")), ("onnx", "ONNX Runtime", ("fp32", "int8"))):
+        for kv in caches:
+            for quantize, cls in (("fp32", "fp32"), ("int8", "8-bit"), ("int4", "4-bit")):
+                default = " (default)" if kv == default_kv_cache(backend, quantize) else ""
+                out.append(System(f"litekv {label} {quantize} + {kv} KV{default}", cls, MAIN_PYTHON,
+                                  ["bench/peers/run_litekv.py", "--backend", backend, "--quantize", quantize,
+                                   "--kv-cache", kv], litekv=True))
     # The 4-bit peers' own LM-head class: onnxruntime-genai's head is 4-bit, litekv's int4 default
     # keeps the GGUF's 8-bit one. The quality column shows what each choice costs.
     out.append(System("litekv LiteRT int4 + int8 KV + int4 head", "4-bit", MAIN_PYTHON,

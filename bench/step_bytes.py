@@ -34,14 +34,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from common import RESULTS, markdown_table, rewound_step_seconds, save, smollm2_bundle
+from common import RESULTS, SWEEP_CACHES, markdown_table, rewound_step_seconds, save, smollm2_bundle, sweep_label
 from memory_bandwidth import read_rates
 from litekv.bundle import read_manifest
 from litekv.executor import open_executor
 
 SHORT, LONG = 64, 2048
-BUNDLES = [(backend, quantize, kv) for kv in (None, "int8") for backend in ("litert", "onnx")
-           for quantize in ("fp32", "int8", "int4")]
+BUNDLES = [(backend, quantize, kv) for backend, kv in SWEEP_CACHES for quantize in ("fp32", "int8", "int4")]
 
 
 def tflite_decode_constants(path: Path, signature: str) -> int:
@@ -135,7 +134,7 @@ def main() -> None:
     one_core_loop_rate = max(r["gb_s"] for r in read_rates(sizes_mib=(515,), prefetch=(0,), threads=1, repeats=10))
     handoff_us = helper_start_us()
     sweep = json.loads(args.sweep.read_text()) if args.sweep.exists() else {}
-    counted = {f"{backend}-{quantize}" + (f"-kv{kv}" if kv else ""): step_bytes(smollm2_bundle(backend, quantize, kv_cache=kv))
+    counted = {sweep_label(backend, quantize, kv): step_bytes(smollm2_bundle(backend, quantize, kv_cache=kv))
                for backend, quantize, kv in BUNDLES}
     # The machine's rate drifts by tens of percent within minutes: a step of the sweep that read its
     # constants faster than the loop reads now shows the rate the sweep had at least.

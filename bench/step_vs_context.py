@@ -1,5 +1,6 @@
-"""Decode step time against the live context, for both backends and every precision, with a
-float32 and an int8 KV cache.
+"""Decode step time against the live context, for both backends and every precision, with two KV
+caches each: LiteRT float16 and int8, ONNX float32 and int8 (a label's "*" marks the converter's
+default for those weights).
 
 Each executor is opened on a bundle with max context 4096 and prefilled once; the cache is then
 rewound (the rows below stay valid) so that the measured step's token is the L-th: it writes row
@@ -16,7 +17,7 @@ import sys
 
 import numpy as np
 
-from common import RESULTS, markdown_table, rewound_step_seconds, save, smollm2_bundle
+from common import RESULTS, SWEEP_CACHES, markdown_table, rewound_step_seconds, save, smollm2_bundle, sweep_label
 from litekv.executor import open_executor
 
 LIVE = (64, 128, 256, 512, 1024, 2048, 3072, 4096)
@@ -44,7 +45,7 @@ def plot(results: dict[str, dict[int, float]], path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = plt.get_cmap("tab20").colors  # twelve lines: more than the default cycle's ten colours
     for i, (label, times) in enumerate(results.items()):
-        style = ("-" if label.startswith("litert") else "--") if not label.endswith("kvint8") else \
+        style = ("-" if label.startswith("litert") else "--") if "kvint8" not in label else \
             ("-." if label.startswith("litert") else ":")
         ax.plot(list(times), list(times.values()), style, marker="o", label=label, color=colors[i % len(colors)])
     ax.set_xscale("log", base=2)
@@ -66,11 +67,9 @@ def main() -> None:
     parser.add_argument("--quantize", default="fp32,int8,int4")
     args = parser.parse_args()
     results = {}
-    # The default cache (float16 on LiteRT, float32 on ONNX), and an int8 one (--kv-cache int8): a
-    # quarter of a float32 cache's bytes per step.
-    for backend, kv_cache in (("litert", None), ("onnx", None), ("litert", "int8"), ("onnx", "int8")):
+    for backend, kv_cache in SWEEP_CACHES:
         for quantize in args.quantize.split(","):
-            label = f"{backend}-{quantize}" + ("" if kv_cache is None else f"-kv{kv_cache}")
+            label = sweep_label(backend, quantize, kv_cache)
             print(f"{label} ...", file=sys.stderr, flush=True)
             results[label] = sweep(backend, quantize, args.threads, args.steps, kv_cache)
     rows = [[label, *(f"{t:.2f}" for t in times.values()), f"{times[2048] / times[64]:.2f}"]

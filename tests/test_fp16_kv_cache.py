@@ -57,7 +57,7 @@ def test_litert_steps_read_halves_in_the_kernel():
         assert kv_types and all(t == schema.TensorType.FLOAT16 for t in kv_types)
 
 
-def test_the_default_cache_is_float16_on_litert_and_float32_on_onnx():
+def test_the_default_cache_for_float_weights_is_float16_on_litert_and_float32_on_onnx():
     """ONNX Runtime's GroupQueryAttention computes a float16 cache in float16 on the CPU, which ran
     slower than float32 (bench/PERFORMANCE.md); litekv's kernels widen the halves as they read."""
     assert ConvertOptions(backend="litert", max_context=64, prefill_lengths=(8,)).kv_format == "fp16"

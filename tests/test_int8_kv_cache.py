@@ -14,7 +14,7 @@ from kv_formats import (BACKENDS, assert_cache_round_trips, assert_steps_follow_
                         kv_format_bundle, tflite_custom_ops_and_cache_types)
 from litekv.converters import kv_calibration
 from litekv.converters.checkpoint import load_checkpoint
-from litekv.converters.convert import ConvertOptions
+from litekv.converters.convert import ConvertOptions, convert
 from litekv.errors import ConfigError
 from litekv.executor import open_executor
 from litekv.native_attention import available as kernel_available
@@ -112,6 +112,22 @@ def test_calibration_scales_leave_the_key_and_value_headrooms():
                                        (kv_calibration.KEY_HEADROOM, kv_calibration.VALUE_HEADROOM)):
         moved = bound > 1e-2 * bound.max()  # well above the floor a still channel gets
         np.testing.assert_allclose((scales * 127 / bound)[moved], headroom, rtol=1e-5)
+
+
+@pytest.mark.skipif(not kernel_available(), reason="no kernel")
+def test_litert_int4_bundles_default_to_an_int8_cache(tmp_path):
+    """With int4 weights an int8 cache keeps the float16 cache's agreement and decodes faster, so
+    it is LiteRT's default there; other weights keep float16, and ONNX float32 for every weight."""
+    defaults = {(backend, quantize): ConvertOptions(backend=backend, quantize=quantize, max_context=64,
+                                                    prefill_lengths=(8,)).kv_format
+                for backend in ("litert", "onnx") for quantize in ("fp32", "int8", "int4")}
+    assert defaults == {("litert", "fp32"): "fp16", ("litert", "int8"): "fp16", ("litert", "int4"): "int8",
+                        ("onnx", "fp32"): "fp32", ("onnx", "int8"): "fp32", ("onnx", "int4"): "fp32"}
+    options = ConvertOptions(backend="litert", quantize="int4", max_context=64, prefill_lengths=(8,), kv_buckets=(64,))
+    path = convert(checkpoint_dir("llama"), tmp_path / "int4", options)
+    ex = open_executor(path)
+    assert ex.manifest.kv_dtype == "int8" and ex.create_kv_cache().dtype == np.int8
+    assert np.all(scales(path, "v", 0) > 0)  # calibrated at conversion, as with --kv-cache int8
 
 
 def test_unknown_kv_cache_format_is_refused():
