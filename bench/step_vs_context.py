@@ -54,7 +54,8 @@ def plot(results: dict[str, dict[int, float]], path) -> None:
     ax.set_ylabel("decode step time, ms")
     ax.set_title("litekv decode step time vs live context (SmolLM2-135M, 2 threads)")
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper left", fontsize=8, ncol=3)
+    ax.legend(loc="upper left", fontsize=8, ncol=3, title="* the converter's default cache for those weights",
+              title_fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
