@@ -56,8 +56,8 @@ class System:
 
 def systems() -> list[System]:
     out = []
-    # Each backend with two KV caches, its default for the weights first: LiteRT float16 (int8 with
-    # int4 weights), ONNX float32 (and int8).
+    # Each backend with two KV caches, LiteRT float16 and int8, ONNX float32 and int8; the names mark
+    # the converter's default for the weights (LiteRT: int8 with int4 weights, else float16).
     for backend, label, caches in (("litert", "LiteRT", ("fp16", "int8")), ("onnx", "ONNX Runtime", ("fp32", "int8"))):
         for kv in caches:
             for quantize, cls in (("fp32", "fp32"), ("int8", "8-bit"), ("int4", "4-bit")):

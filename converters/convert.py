@@ -35,8 +35,8 @@ SMALLEST_BUCKET = 256
 def default_kv_cache(backend: str, quantize: str) -> str:
     """The KV cache format a bundle gets without --kv-cache.
 
-    ONNX: fp32, because GroupQueryAttention computes a float16 cache in float16 on the CPU (slower)
-    and its int8 path prefills at a third of the float32 speed. LiteRT: fp16, which litekv's kernels
+    ONNX: fp32, because GroupQueryAttention computes a float16 cache in float16 on the CPU (slower),
+    and with an int8 cache its attention in a 1,024-token prefill took 3x as long. LiteRT: fp16, which litekv's kernels
     read at half the bytes with the quality of fp32; with int4 weights, int8. There it matches the
     float16 cache's top-1 agreement (92.4 against 92.1 %, SmolLM2, bench/quality_kl.py), decodes
     faster and its step grows less with the context. With int8 or fp32 weights it costs more of
