@@ -60,6 +60,24 @@ def test_kernel_matches_numpy(heads, kv_heads, head_dim, slots, live, window, th
     np.testing.assert_allclose(got, numpy_attention(q, k, v, m, kv_heads, head_dim), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("first, last", [(0, 0), (15, 15), (16, 16), (17, 40), (3, 47), (48, 63), (63, 63),
+                                         (0, 63), (31, 32)])
+def test_kernel_finds_the_live_span_anywhere_in_the_mask(first, last):
+    """The kernel skips masked slots 16 at a time from both ends of the mask, then one at a time:
+    spans that start and end on either side of a 16-slot boundary attend exactly over their slots."""
+    q, k, v, _ = case(9, 3, 64, 64, 64)
+    m = np.full(64, MASKED, np.float32)
+    m[first:last + 1] = 0.0
+    got = native_attention.reference(q, k, v, m, 3, 64, 1)
+    np.testing.assert_allclose(got, numpy_attention(q, k, v, m, 3, 64), atol=2e-5, rtol=1e-4)
+
+
+def test_kernel_returns_zeros_when_every_slot_is_masked():
+    q, k, v, _ = case(9, 3, 64, 64, 64)
+    got = native_attention.reference(q, k, v, np.full(64, MASKED, np.float32), 3, 64, 1)
+    assert not np.any(got)
+
+
 def int8_case(heads, kv_heads, head_dim, slots, live, window=None):
     q, _, _, m = case(heads, kv_heads, head_dim, slots, live, window)
     rng = np.random.default_rng(1)
