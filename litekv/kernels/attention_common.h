@@ -26,6 +26,19 @@ INLINE v16 load16(const float *p) {
     return v;
 }
 
+/* Whether all of m[0..15] are masked: the kernels skip a long cache's masked tail with it. A vector
+ * compare folded in halves; testing the lanes one by one compiles to 16 extractions. */
+INLINE int all_masked(const float *m) {
+    typedef int32_t v16i __attribute__((vector_size(64)));
+    typedef int32_t v8i __attribute__((vector_size(32)));
+    typedef int32_t v4i __attribute__((vector_size(16)));
+    const v16i open = load16(m) > MASKED_BELOW;
+    const v8i half = __builtin_shufflevector(open, open, 0, 1, 2, 3, 4, 5, 6, 7) |
+                     __builtin_shufflevector(open, open, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v4i quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) | __builtin_shufflevector(half, half, 4, 5, 6, 7);
+    return !(quarter[0] | quarter[1] | quarter[2] | quarter[3]);
+}
+
 /* What a cache holds, as the op names say: float32 ("litekv.decode_attention"), int8 codes of a
  * statically scaled cache ("_int8"), or float16 ("_f16", half a float32 cache's bytes to read). */
 typedef enum { CACHE_F32 = 0, CACHE_I8 = 1, CACHE_F16 = 2 } CacheType;

@@ -370,26 +370,14 @@ static void *helper_main(void *arg) {
 
 /* ---- the computation, on host arrays -------------------------------------------------------- */
 
-/* Whether all 16 mask entries from m are masked: four 4-wide compares (any x86-64 has them). */
-static inline bool masked16(const float *m) {
-    typedef float f4 __attribute__((vector_size(16)));
-    typedef int32_t i4 __attribute__((vector_size(16)));
-    i4 all = {-1, -1, -1, -1};
-    for (int i = 0; i < 16; i += 4) {
-        f4 x;
-        memcpy(&x, m + i, sizeof x);
-        all &= x <= MASKED_BELOW;
-    }
-    return (all[0] & all[1] & all[2] & all[3]) != 0;
-}
-
 /* The unmasked span lo..hi of the mask, or lo > hi. A short context in a long cache leaves most of
- * the mask masked, and every layer's call scans it: 16 entries at a time, then one at a time. */
-static void live_span(const float *mask, int slots, int *lo, int *hi) {
+ * the mask masked, and every layer's call scans it: 16 entries at a time (one vector compare in
+ * each ISA's clone), then one at a time. */
+VECTOR_CLONES static void live_span(const float *mask, int slots, int *lo, int *hi) {
     *lo = 0, *hi = slots - 1;
-    while (*lo + 15 <= *hi && masked16(mask + *lo)) *lo += 16;
+    while (*lo + 15 <= *hi && all_masked(mask + *lo)) *lo += 16;
     while (*lo <= *hi && mask[*lo] <= MASKED_BELOW) ++*lo;
-    while (*hi - 15 >= *lo && masked16(mask + *hi - 15)) *hi -= 16;
+    while (*hi - 15 >= *lo && all_masked(mask + *hi - 15)) *hi -= 16;
     while (*hi >= *lo && mask[*hi] <= MASKED_BELOW) --*hi;
 }
 

@@ -97,14 +97,6 @@ INLINE void transpose16(v16 a[16]) {
     STAGE(a, 1, LO1, HI1)
 }
 
-/* Whether all of m[0..15] are masked. */
-INLINE int all_masked(const float *m) {
-    const v16 x = load16(m);
-    int open = 0;
-    _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++) open |= x[i] > MASKED_BELOW;
-    return !open;
-}
-
 /* Where a task's rows live: row r is token t0 + r / group, head kv * group + r % group. */
 typedef struct {
     int t0, tokens, kv, group, rows, lo, hi;
@@ -120,9 +112,10 @@ INLINE Tile tile_of(const PrefillJob *job, int task) {
     for (int i = 0; i < t.tokens; i++) {
         const float *m = job->mask + (size_t)(t.t0 + i) * job->slots;
         int lo = 0, hi = job->slots - 1;
+        /* a causal row's masked tail is most of the row at the start of a long cache, and a
+         * sliding window masks a prefix: skip them a vector at a time */
+        while (lo + 15 <= hi && all_masked(m + lo)) lo += 16;
         while (lo <= hi && m[lo] <= MASKED_BELOW) lo++;
-        /* a causal row's masked tail is most of the row at the start of a long cache: skip it a
-         * vector at a time */
         while (hi - 15 >= lo && all_masked(m + hi - 15)) hi -= 16;
         while (hi >= lo && m[hi] <= MASKED_BELOW) hi--;
         if (lo <= hi) {
