@@ -32,18 +32,20 @@ DEFAULT_PREFILL = (32, 128, 512)
 SMALLEST_BUCKET = 256
 
 
-def default_kv_cache(backend: str, quantize: str) -> str:
+def default_kv_cache(backend: str, quantize: str, attention: str = "kernel", lora: bool = False) -> str:
     """The KV cache format a bundle gets without --kv-cache.
 
     ONNX: fp32, because GroupQueryAttention computes a float16 cache in float16 on the CPU (slower),
-    and with an int8 cache its attention in a 1,024-token prefill took 3x as long. LiteRT: fp16, which litekv's kernels
-    read at half the bytes with the quality of fp32; with int4 weights, int8. There it matches the
-    float16 cache's top-1 agreement (92.4 against 92.1 %, SmolLM2, bench/quality_kl.py), decodes
-    faster and its step grows less with the context. With int8 or fp32 weights it costs more of
-    their quality than it saves time (int8 weights: mean KL +29 %)."""
+    and with an int8 cache its attention in a 1,024-token prefill took 3x as long. LiteRT: fp16,
+    which litekv's kernels read at half the bytes with the quality of fp32; int8 with int4 weights
+    and litekv's decode kernel. There it keeps the float16 cache's top-1 agreement (92.4 against
+    92.1 %, SmolLM2, bench/quality_kl.py) for 12 % more mean KL (0.0275 against 0.0245), decodes
+    faster and its step grows less with the context. Not with int8 weights (+29 % KL), nor with
+    graph attention, which widens the whole cache to float32 every step, nor with LoRA inputs: the
+    scales are calibrated without adapters, which may move K and V past them."""
     if backend == "onnx":
         return "fp32"
-    return "int8" if quantize == "int4" else "fp16"
+    return "int8" if quantize == "int4" and attention == "kernel" and not lora else "fp16"
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,8 @@ class ConvertOptions:
     @property
     def kv_format(self) -> str:
         """The KV cache's format, one of KV_CACHE_FORMATS (kv_cache, or the default for these weights)."""
-        return self.kv_cache or default_kv_cache(self.backend, self.quantize)
+        return self.kv_cache or default_kv_cache(self.backend, self.quantize, self.attention_kind,
+                                                 self.lora_rank is not None)
 
     @property
     def kv_dtype(self) -> str:
@@ -368,7 +371,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-sampler", action="store_true", help="omit the in-graph sampling entry points")
     parser.add_argument("--kv-cache", choices=KV_CACHE_FORMATS,
                         help="KV cache precision: fp16 reads half the bytes per step, int8 a quarter (default: "
-                        "fp32 for ONNX; for LiteRT int8 with --quantize int4, else fp16)")
+                        "fp32 for ONNX; for LiteRT int8 with --quantize int4 and the decode kernel without "
+                        "--lora-rank, else fp16)")
     parser.add_argument("--decode-attention", choices=ATTENTION_KINDS,
                         help="LiteRT one-token attention: kernel (default; litekv's compiled custom op, which "
                         "reads the cache once) or graph (builtin ops only, for a runtime without litekv)")

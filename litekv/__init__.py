@@ -19,13 +19,15 @@ __version__ = "0.1.0"
 
 def convert(source: str | Path, output: str | Path, backend: str = "litert", quantize: str = "fp32",
             max_context: int = 4096, prefill_lengths: Sequence[int] = (32, 128, 512),
-            lora_rank: int | None = None) -> Path:
-    """Convert a GGUF file or Hugging Face directory into a bundle (needs `litekv[convert]`)."""
+            lora_rank: int | None = None, kv_cache: str | None = None) -> Path:
+    """Convert a GGUF file or Hugging Face directory into a bundle (needs `litekv[convert]`).
+
+    kv_cache: "fp32", "fp16" or "int8"; None takes the converter's default for these weights."""
     from litekv.converters.convert import ConvertOptions
     from litekv.converters.convert import convert as run
 
     options = ConvertOptions(backend=backend, quantize=quantize, max_context=max_context,
-                             prefill_lengths=tuple(prefill_lengths), lora_rank=lora_rank)
+                             prefill_lengths=tuple(prefill_lengths), lora_rank=lora_rank, kv_cache=kv_cache)
     return run(source, output, options)
 
 

@@ -296,7 +296,9 @@ class KVCache:
                         head_dim=self.head_dim, dtype=str(self.dtype))
         mismatched = {k: (header[k], v) for k, v in expected.items() if header[k] != v}
         if mismatched:
-            raise KVCacheError(f"serialized KV cache does not fit this cache (saved, here): {mismatched}.")
+            hint = (" The bundles' KV cache formats differ: load it into one converted with the same --kv-cache."
+                    if "dtype" in mismatched else "")
+            raise KVCacheError(f"serialized KV cache does not fit this cache (saved, here): {mismatched}.{hint}")
         n = header["num_tokens"]
         if n > self.num_entries:
             raise KVCacheError(f"serialized KV cache holds {n} tokens; this cache has room for {self.num_entries}.")

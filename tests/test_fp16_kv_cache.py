@@ -60,7 +60,7 @@ def test_litert_steps_read_halves_in_the_kernel():
 def test_the_default_cache_for_float_weights_is_float16_on_litert_and_float32_on_onnx():
     """ONNX Runtime's GroupQueryAttention computes a float16 cache in float16 on the CPU, which ran
     slower than float32 (bench/PERFORMANCE.md); litekv's kernels widen the halves as they read."""
-    assert ConvertOptions(backend="litert", max_context=64, prefill_lengths=(8,)).kv_format == "fp16"
-    assert ConvertOptions(backend="onnx", max_context=64, prefill_lengths=(8,)).kv_format == "fp32"
+    assert ConvertOptions(backend="litert", quantize="fp32", max_context=64, prefill_lengths=(8,)).kv_format == "fp16"
+    assert ConvertOptions(backend="onnx", quantize="fp32", max_context=64, prefill_lengths=(8,)).kv_format == "fp32"
     assert ConvertOptions(backend="litert", max_context=64, prefill_lengths=(8,), kv_cache="fp32").kv_format == "fp32"
     assert open_executor(fp16_kv_bundle("llama", "onnx")).manifest.kv_dtype == "float16"

@@ -114,20 +114,32 @@ def test_calibration_scales_leave_the_key_and_value_headrooms():
         np.testing.assert_allclose((scales * 127 / bound)[moved], headroom, rtol=1e-5)
 
 
-@pytest.mark.skipif(not kernel_available(), reason="no kernel")
-def test_litert_int4_bundles_default_to_an_int8_cache(tmp_path):
-    """With int4 weights an int8 cache keeps the float16 cache's agreement and decodes faster, so
-    it is LiteRT's default there; other weights keep float16, and ONNX float32 for every weight."""
-    defaults = {(backend, quantize): ConvertOptions(backend=backend, quantize=quantize, max_context=64,
-                                                    prefill_lengths=(8,)).kv_format
+def test_the_default_cache_is_int8_only_for_litert_int4_weights_on_the_kernel():
+    """With int4 weights an int8 cache keeps the float16 cache's agreement and decodes faster in
+    litekv's kernel, so it is LiteRT's default there; other weights keep float16, graph attention
+    (which widens the cache every step) and LoRA bundles (scales calibrated without adapters) too,
+    and ONNX keeps float32."""
+    def kv_format(**options):
+        return ConvertOptions(max_context=64, prefill_lengths=(8,), **options).kv_format
+
+    defaults = {(backend, quantize): kv_format(backend=backend, quantize=quantize)
                 for backend in ("litert", "onnx") for quantize in ("fp32", "int8", "int4")}
     assert defaults == {("litert", "fp32"): "fp16", ("litert", "int8"): "fp16", ("litert", "int4"): "int8",
                         ("onnx", "fp32"): "fp32", ("onnx", "int8"): "fp32", ("onnx", "int4"): "fp32"}
+    assert kv_format(backend="litert", quantize="int4", decode_attention="graph") == "fp16"
+    assert kv_format(backend="litert", quantize="int4", lora_rank=4) == "fp16"
+    assert kv_format(backend="litert", quantize="int4", kv_cache="fp16") == "fp16"
+
+
+@pytest.mark.skipif(not kernel_available(), reason="no kernel")
+def test_an_int4_litert_bundle_gets_a_calibrated_int8_cache_by_default(tmp_path):
     options = ConvertOptions(backend="litert", quantize="int4", max_context=64, prefill_lengths=(8,), kv_buckets=(64,))
     path = convert(checkpoint_dir("llama"), tmp_path / "int4", options)
     ex = open_executor(path)
     assert ex.manifest.kv_dtype == "int8" and ex.create_kv_cache().dtype == np.int8
-    assert np.all(scales(path, "v", 0) > 0)  # calibrated at conversion, as with --kv-cache int8
+    # the scales an explicit --kv-cache int8 gets: calibration runs on the unquantized weights
+    for kind in ("k", "v"):
+        np.testing.assert_array_equal(scales(path, kind, 0), scales(int8_kv_bundle("llama", "litert"), kind, 0))
 
 
 def test_unknown_kv_cache_format_is_refused():
@@ -158,3 +170,16 @@ def test_int8_cache_with_a_lora_adapter(backend, tmp_path):
         if step == 0:  # the adapter moves the logits far more than the tolerance
             assert relative_error(base.step([token], plain), exact) > 0.2
         token = int(np.argmax(exact))
+
+
+def test_a_cache_saved_in_another_format_is_refused_with_the_remedy():
+    """A session from a bundle with a float16 cache does not load into an int8 one (LiteRT int4's
+    default since the cache formats differ by weights): the error says what to convert."""
+    from litekv.kv_cache import KVCache, KVCacheError
+
+    saved = KVCache.allocate(2, 1, 3, 64, 16, dtype="float16")
+    saved.set_num_tokens(4)
+    here = KVCache.allocate(2, 1, 3, 64, 16, dtype="int8")
+    with pytest.raises(KVCacheError, match="--kv-cache"):
+        here.load(saved.serialize())
+    assert here.num_tokens == 0

@@ -140,8 +140,9 @@ def test_quantized_agreement_and_coherent_answer(backend, quantize, target, reco
 
 
 @pytest.mark.parametrize("backend, quantize, target", [("onnx", "fp32", 0.95), ("onnx", "int4", 0.90),
-                                                       ("litert", "fp32", 0.95)])
+                                                       ("litert", "fp32", 0.95), ("litert", "int4", 0.80)])
 def test_int8_kv_cache_agreement(backend, quantize, target):
+    """LiteRT int4 with an int8 cache is what int4 users get by default: the int4 target holds."""
     ex = open_executor(bundle(backend, quantize, "int8"))
     assert ex.create_kv_cache().dtype == np.int8
     steps, after_prefill = top1_agreement(ex), prefill_top1_agreement(ex)
