@@ -60,13 +60,15 @@ def test_kernel_matches_numpy(heads, kv_heads, head_dim, slots, live, window, th
     np.testing.assert_allclose(got, numpy_attention(q, k, v, m, kv_heads, head_dim), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("first, last", [(0, 0), (15, 15), (16, 16), (17, 40), (3, 47), (48, 63), (63, 63),
-                                         (0, 63), (31, 32)])
-def test_kernel_finds_the_live_span_anywhere_in_the_mask(first, last):
-    """The kernel skips masked slots 16 at a time from both ends of the mask, then one at a time:
-    spans that start and end on either side of a 16-slot boundary attend exactly over their slots."""
-    q, k, v, _ = case(9, 3, 64, 64, 64)
-    m = np.full(64, MASKED, np.float32)
+@pytest.mark.parametrize("first, last, slots", [(0, 0, 64), (15, 15, 64), (16, 16, 64), (17, 40, 64), (3, 47, 64),
+                                                (48, 63, 64), (63, 63, 64), (0, 63, 64), (31, 32, 64), (0, 0, 8),
+                                                (7, 7, 8), (16, 16, 17), (0, 0, 40), (39, 39, 40), (20, 24, 40)])
+def test_kernel_attends_over_a_live_span_anywhere_in_the_mask(first, last, slots):
+    """The kernel looks for the live span from both ends of the mask, 16 slots at a time, then one
+    at a time. A span missed by any slot would drop it, whichever side of a 16-slot boundary or
+    tail it is on."""
+    q, k, v, _ = case(9, 3, 64, slots, slots)
+    m = np.full(slots, MASKED, np.float32)
     m[first:last + 1] = 0.0
     got = native_attention.reference(q, k, v, m, 3, 64, 1)
     np.testing.assert_allclose(got, numpy_attention(q, k, v, m, 3, 64), atol=2e-5, rtol=1e-4)

@@ -26,17 +26,29 @@ INLINE v16 load16(const float *p) {
     return v;
 }
 
-/* Whether all of m[0..15] are masked: the kernels skip a long cache's masked tail with it. A vector
- * compare folded in halves; testing the lanes one by one compiles to 16 extractions. */
+/* Whether all of m[0..15] are masked: one vector compare, folded in halves (testing the lanes one
+ * by one compiles to 16 extractions). `<=` as in the scalar tests, so a NaN counts alike in both. */
 INLINE int all_masked(const float *m) {
     typedef int32_t v16i __attribute__((vector_size(64)));
     typedef int32_t v8i __attribute__((vector_size(32)));
     typedef int32_t v4i __attribute__((vector_size(16)));
-    const v16i open = load16(m) > MASKED_BELOW;
-    const v8i half = __builtin_shufflevector(open, open, 0, 1, 2, 3, 4, 5, 6, 7) |
-                     __builtin_shufflevector(open, open, 8, 9, 10, 11, 12, 13, 14, 15);
-    const v4i quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) | __builtin_shufflevector(half, half, 4, 5, 6, 7);
-    return !(quarter[0] | quarter[1] | quarter[2] | quarter[3]);
+    const v16i masked = load16(m) <= MASKED_BELOW;
+    const v8i half = __builtin_shufflevector(masked, masked, 0, 1, 2, 3, 4, 5, 6, 7) &
+                     __builtin_shufflevector(masked, masked, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v4i quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) & __builtin_shufflevector(half, half, 4, 5, 6, 7);
+    return (quarter[0] & quarter[1] & quarter[2] & quarter[3]) != 0;
+}
+
+/* The unmasked span lo..hi of a mask row, or lo > hi. A short context in a long cache, or a
+ * sliding window, leaves long masked ends, and every call scans them: 16 entries at a time, then
+ * one at a time. */
+INLINE void mask_span(const float *m, int slots, int *lo, int *hi) {
+    int a = 0, b = slots - 1;
+    while (a + 15 <= b && all_masked(m + a)) a += 16;
+    while (a <= b && m[a] <= MASKED_BELOW) a++;
+    while (b - 15 >= a && all_masked(m + b - 15)) b -= 16;
+    while (b >= a && m[b] <= MASKED_BELOW) b--;
+    *lo = a, *hi = b;
 }
 
 /* What a cache holds, as the op names say: float32 ("litekv.decode_attention"), int8 codes of a

@@ -370,16 +370,8 @@ static void *helper_main(void *arg) {
 
 /* ---- the computation, on host arrays -------------------------------------------------------- */
 
-/* The unmasked span lo..hi of the mask, or lo > hi. A short context in a long cache leaves most of
- * the mask masked, and every layer's call scans it: 16 entries at a time (one vector compare in
- * each ISA's clone), then one at a time. */
-VECTOR_CLONES static void live_span(const float *mask, int slots, int *lo, int *hi) {
-    *lo = 0, *hi = slots - 1;
-    while (*lo + 15 <= *hi && all_masked(mask + *lo)) *lo += 16;
-    while (*lo <= *hi && mask[*lo] <= MASKED_BELOW) ++*lo;
-    while (*hi - 15 >= *lo && all_masked(mask + *hi - 15)) *hi -= 16;
-    while (*hi >= *lo && mask[*hi] <= MASKED_BELOW) --*hi;
-}
+/* The mask's live span (mask_span), in each ISA's clone for the vector compare. */
+VECTOR_CLONES static void live_span(const float *mask, int slots, int *lo, int *hi) { mask_span(mask, slots, lo, hi); }
 
 static void compute(State *st, Job *job, int slots, float *out);
 static void share(State *st, int count);

@@ -111,13 +111,8 @@ INLINE Tile tile_of(const PrefillJob *job, int task) {
     t.rows = t.tokens * t.group;
     for (int i = 0; i < t.tokens; i++) {
         const float *m = job->mask + (size_t)(t.t0 + i) * job->slots;
-        int lo = 0, hi = job->slots - 1;
-        /* a causal row's masked tail is most of the row at the start of a long cache, and a
-         * sliding window masks a prefix: skip them a vector at a time */
-        while (lo + 15 <= hi && all_masked(m + lo)) lo += 16;
-        while (lo <= hi && m[lo] <= MASKED_BELOW) lo++;
-        while (hi - 15 >= lo && all_masked(m + hi - 15)) hi -= 16;
-        while (hi >= lo && m[hi] <= MASKED_BELOW) hi--;
+        int lo, hi; /* a causal row's masked tail is most of the row at the start of a long cache */
+        mask_span(m, job->slots, &lo, &hi);
         if (lo <= hi) {
             t.lo = lo < t.lo ? lo : t.lo;
             t.hi = hi > t.hi ? hi : t.hi;
