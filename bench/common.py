@@ -21,8 +21,14 @@ SWEEP_CACHES = (("litert", "fp16"), ("onnx", "fp32"), ("litert", "int8"), ("onnx
 
 
 def sweep_label(backend: str, quantize: str, kv_cache: str) -> str:
-    """A bundle's name in the step sweeps' tables; "*" marks the converter's default cache for it."""
-    return f"{backend}-{quantize}-kv{kv_cache}" + ("*" if kv_cache == default_kv_cache(backend, quantize) else "")
+    """A bundle's key in the step sweeps' results."""
+    return f"{backend}-{quantize}-kv{kv_cache}"
+
+
+def default_mark(label: str) -> str:
+    """A sweep label as tables and plots show it: "*" marks the converter's default cache for it."""
+    backend, quantize, kv = label.split("-")
+    return label + ("*" if kv.removeprefix("kv") == default_kv_cache(backend, quantize) else "")
 
 
 def compile_c(output: Path, *arguments: str) -> Path:

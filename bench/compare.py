@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import RESULTS, markdown_table
+from common import RESULTS, SWEEP_CACHES, markdown_table
 from litekv.converters.convert import default_kv_cache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +49,12 @@ class System:
     litekv: bool = False
     requires: list[Path] = field(default_factory=list)
     setup: str = ""
+    default: bool = False         # a litekv bundle with the converter's default KV cache for its weights
+
+    @property
+    def shown(self) -> str:
+        """The name in tables and plots; the name alone keys the results, whatever the defaults."""
+        return self.name + (" (default)" if self.default else "")
 
     def missing(self) -> list[Path]:
         return [p for p in [Path(self.python), *self.requires] if not p.exists()]
@@ -56,15 +62,14 @@ class System:
 
 def systems() -> list[System]:
     out = []
-    # Each backend with two KV caches, LiteRT float16 and int8, ONNX float32 and int8; the names mark
-    # the converter's default for the weights (LiteRT: int8 with int4 weights, else float16).
-    for backend, label, caches in (("litert", "LiteRT", ("fp16", "int8")), ("onnx", "ONNX Runtime", ("fp32", "int8"))):
-        for kv in caches:
-            for quantize, cls in (("fp32", "fp32"), ("int8", "8-bit"), ("int4", "4-bit")):
-                default = " (default)" if kv == default_kv_cache(backend, quantize) else ""
-                out.append(System(f"litekv {label} {quantize} + {kv} KV{default}", cls, MAIN_PYTHON,
-                                  ["bench/peers/run_litekv.py", "--backend", backend, "--quantize", quantize,
-                                   "--kv-cache", kv], litekv=True))
+    # Each backend with the step sweeps' two KV caches, LiteRT's first; the tables mark the
+    # converter's default for the weights (LiteRT: int8 with int4 weights, else float16).
+    for backend, kv in sorted(SWEEP_CACHES, key=lambda pair: pair[0] != "litert"):
+        label = {"litert": "LiteRT", "onnx": "ONNX Runtime"}[backend]
+        for quantize, cls in (("fp32", "fp32"), ("int8", "8-bit"), ("int4", "4-bit")):
+            out.append(System(f"litekv {label} {quantize} + {kv} KV", cls, MAIN_PYTHON,
+                              ["bench/peers/run_litekv.py", "--backend", backend, "--quantize", quantize, "--kv-cache", kv],
+                              litekv=True, default=kv == default_kv_cache(backend, quantize)))
     # The 4-bit peers' own LM-head class: onnxruntime-genai's head is 4-bit, litekv's int4 default
     # keeps the GGUF's 8-bit one. The quality column shows what each choice costs.
     out.append(System("litekv LiteRT int4 + int8 KV + int4 head", "4-bit", MAIN_PYTHON,
@@ -156,7 +161,7 @@ def report(runs: dict[str, list[dict]], ran: list[System], skipped: list[System]
         if s.litekv:
             budget = r[0]["model_file_mb"] + r[0]["kv_mb"] + 150
             rss_budget = f"{fmt(median_field(r, 'peak_rss_mb'), '.0f')} / {budget:.0f}"
-        rows.append([s.name, s.precision_class, fmt(median_field(r, "decode_tok_s"), ".1f"),
+        rows.append([s.shown, s.precision_class, fmt(median_field(r, "decode_tok_s"), ".1f"),
                      fmt(median_field(r, "prefill_256_tok_s"), ".0f"), fmt(median_field(r, "prefill_1024_tok_s"), ".0f"),
                      fmt(median_field(r, "ttft_ms"), ".0f"), fmt(median_field(r, "load_s"), ".2f"),
                      fmt(median_field(r, "peak_rss_mb"), ".0f"), rss_budget,
@@ -170,7 +175,7 @@ def report(runs: dict[str, list[dict]], ran: list[System], skipped: list[System]
     ratio_rows = []
     for s in (s for s in ran if s.litekv):
         for p in (p for p in peers if p.precision_class == s.precision_class):
-            ratio_rows.append([s.name, p.name, *(fmt(paired_ratio(runs[s.name], runs[p.name], k), ".2f")
+            ratio_rows.append([s.shown, p.name, *(fmt(paired_ratio(runs[s.name], runs[p.name], k), ".2f")
                                                  for k in ("decode_tok_s", "prefill_256_tok_s", "prefill_1024_tok_s"))])
     text += ["## litekv / peer, same precision class (median of per-round ratios)", "",
              markdown_table(["litekv", "peer", "decode", "prefill@256", "prefill@1024"], ratio_rows), ""]
@@ -182,7 +187,7 @@ def report(runs: dict[str, list[dict]], ran: list[System], skipped: list[System]
             continue
         for s in (s for s in ran if s.litekv and s.precision_class == cls):
             ratio = paired_ratio(runs[s.name], runs[peer], key)
-            target_rows.append([s.name, peer, key, f">= {minimum}", fmt(ratio, ".3f"), "met" if ratio >= minimum else "not met"])
+            target_rows.append([s.shown, peer, key, f">= {minimum}", fmt(ratio, ".3f"), "met" if ratio >= minimum else "not met"])
     for s in (s for s in ran if s.litekv):
         same = [p for p in peers if p.precision_class == s.precision_class]
         for key in ("prefill_256_tok_s", "prefill_1024_tok_s"):
@@ -190,7 +195,7 @@ def report(runs: dict[str, list[dict]], ran: list[System], skipped: list[System]
                 continue
             best = max(same, key=lambda p: median_field(runs[p.name], key))
             ratio = paired_ratio(runs[s.name], runs[best.name], key)
-            target_rows.append([s.name, f"best: {best.name}", key, ">= 1.0", fmt(ratio, ".3f"),
+            target_rows.append([s.shown, f"best: {best.name}", key, ">= 1.0", fmt(ratio, ".3f"),
                                 "met" if ratio >= 1.0 else "not met"])
     text += ["## Targets", "", markdown_table(["litekv", "peer", "figure", "target", "ratio", ""], target_rows), ""]
     if skipped:
@@ -211,7 +216,7 @@ def plot(runs: dict[str, list[dict]], ran: list[System], path: Path) -> None:
     for ax, key, title in zip(axes, ("decode_tok_s", "prefill_256_tok_s", "prefill_1024_tok_s"),
                               ("decode (128 new tokens)", "prefill, 256 tokens", "prefill, 1024 tokens")):
         values = [median_field(runs[n], key) for n in names]
-        bars = ax.barh(names, values, color=[colors[s.precision_class] for s in ran][::-1],
+        bars = ax.barh([s.shown for s in ran][::-1], values, color=[colors[s.precision_class] for s in ran][::-1],
                        edgecolor=["black" if s.litekv else "none" for s in ran][::-1])
         ax.bar_label(bars, fmt="%.0f", padding=2, fontsize=8)
         ax.set_title(title)

@@ -87,13 +87,14 @@ def main() -> None:
             figures = decode_figures(ex, args.steps)
             if quantize == "fp32":
                 figures.update(copy_costs(ex))
+            figures["kv_dtype"] = str(ex.create_kv_cache().dtype)  # the converter's default for these weights
             result[f"{backend}-{quantize}"] = figures
-            rows.append([backend, quantize, f"{figures['decode_tok_s']:.1f}", f"{figures['internal_sampler_tok_s']:.1f}",
+            rows.append([backend, quantize, figures["kv_dtype"], f"{figures['decode_tok_s']:.1f}", f"{figures['internal_sampler_tok_s']:.1f}",
                          f"{figures['step_ms']:.2f}", f"{figures['python_overhead_us']:.0f}",
                          f"{100 * figures['overhead_share']:.1f}%",
                          f"{figures.get('select_ms', float('nan')):.2f}", f"{figures.get('broadcast_ms', float('nan')):.2f}"])
             del ex
-    print(markdown_table(["backend", "weights", "decode tok/s (step)", "tok/s (sample_tokens)", "ms/step",
+    print(markdown_table(["backend", "weights", "KV cache", "decode tok/s (step)", "tok/s (sample_tokens)", "ms/step",
                           "Python µs/step", "overhead share (target < 5%)", "select ms (1k tok)",
                           "broadcast ms (1k tok, batch 3)"], rows))
     print(f"(SmolLM2-135M-Instruct, {PROMPT}-token prompt, {args.steps} steps, {args.threads} threads)")

@@ -16,6 +16,7 @@ import collections
 import numpy as np
 
 from common import markdown_table, save, smollm2_bundle
+from litekv.bundle import read_manifest
 from litekv.resident_pages import mappings
 
 
@@ -39,7 +40,8 @@ def main() -> None:
     parser.add_argument("--backend", choices=("litert", "onnx"), default="litert")
     parser.add_argument("--quantize", choices=("fp32", "int8", "int4"), default="fp32")
     parser.add_argument("--kv-cache", choices=("fp32", "fp16", "int8"), default=None,
-                        help="KV cache precision (default: the converter's, fp16 on LiteRT and fp32 on ONNX)")
+                        help="KV cache precision (default: the converter's: fp32 on ONNX; on LiteRT int8 with "
+                        "int4 weights, else fp16)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
@@ -69,7 +71,7 @@ def main() -> None:
     mappings = largest_mappings(8)
     print()
     print(markdown_table(["mapping", "resident MB"], [list(m) for m in mappings]))
-    variant = "" if args.kv_cache is None else f"_kv{args.kv_cache}"
+    variant = f"_kv{read_manifest(bundle).kv_dtype}"  # the default cache depends on the weights
     save(f"memory_timeline_{args.backend}_{args.quantize}{variant}",
          {"bundle": bundle.name, "model_mb": model_mb, "kv_mb": kv_mb,
           "stages": [{"stage": name, **s} for name, s in stages],

@@ -22,6 +22,7 @@ import numpy as np
 
 from common import markdown_table, smollm2_bundle
 from litekv import litert_capi
+from litekv.bundle import read_manifest
 from litekv.executor import open_executor
 
 
@@ -119,18 +120,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-cache", choices=("fp32", "fp16", "int8"), default=None,
-                        help="KV cache precision (default: the converter's, fp16 on LiteRT and fp32 on ONNX)")
+                        help="KV cache precision (default: the converter's: fp32 on ONNX; on LiteRT int8 with "
+                        "int4 weights, else fp16)")
     parser.add_argument("--backend", choices=("litert", "onnx", "both"), default="both")
     args = parser.parse_args()
     for backend, breakdown in (("litert", litert_breakdown), ("onnx", onnx_breakdown)):
         if args.backend not in (backend, "both"):
             continue
-        ops = breakdown(smollm2_bundle(backend, args.quantize, kv_cache=args.kv_cache), args.live, args.steps,
-                        args.threads)
+        bundle = smollm2_bundle(backend, args.quantize, kv_cache=args.kv_cache)
+        ops = breakdown(bundle, args.live, args.steps, args.threads)
         total = sum(ms for ms, _ in ops.values())
         rows = [[op, calls, f"{ms:.3f}", f"{100 * ms / total:.1f}%"]
                 for op, (ms, calls) in sorted(ops.items(), key=lambda kv: -kv[1][0]) if ms >= 0.005]
-        print(f"\n{backend} {args.quantize}, {args.kv_cache or 'default'} KV cache, one decode step at {args.live} live tokens "
+        print(f"\n{backend} {args.quantize}, {read_manifest(bundle).kv_dtype} KV cache, one decode step at {args.live} live tokens "
               f"({total:.2f} ms inside ops, profiled):")
         print(markdown_table(["op", "calls per step", "ms per step", "share"], rows))
 

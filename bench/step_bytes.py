@@ -2,7 +2,7 @@
 reads, and the least time the cache's extra bytes can add at the machine's read rate.
 
 For each SmolLM2 bundle of bench/step_vs_context.py (both backends, fp32 / int8 / int4 weights,
-the default cache and an int8 one) it counts, from the model file itself:
+LiteRT float16 and int8 caches, ONNX float32 and int8) it counts, from the model file itself:
 - the constant bytes the one-token decode graph reads: every weight, scale and offset its ops take,
   but one row of a gathered table (the token embedding);
 - the cache bytes per live token: layers x 2 (K, V) x KV heads x head_dim x the cache element.
@@ -34,7 +34,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from common import RESULTS, SWEEP_CACHES, markdown_table, rewound_step_seconds, save, smollm2_bundle, sweep_label
+from common import (RESULTS, SWEEP_CACHES, default_mark, markdown_table, rewound_step_seconds, save, smollm2_bundle,
+                    sweep_label)
 from memory_bandwidth import read_rates
 from litekv.bundle import read_manifest
 from litekv.executor import open_executor
@@ -107,8 +108,8 @@ def step_bytes(bundle: Path) -> dict:
 
 def helper_start_us(steps: int = 30) -> float:
     """How late the kernel's helper thread joins an attention call, on average, in rewound steps of
-    the default int4 LiteRT bundle at 2,048 live tokens."""
-    ex = open_executor(smollm2_bundle("litert", "int4"), threads=2)
+    the int4 LiteRT bundle with an int8 cache at 2,048 live tokens."""
+    ex = open_executor(smollm2_bundle("litert", "int4", kv_cache="int8"), threads=2)
     cache = ex.create_kv_cache()
     ex.prefill(np.arange(LONG - 1) % 40000 + 100, cache)
     before = ex.attention_stats()
@@ -156,13 +157,14 @@ def main() -> None:
         cells = ["", "", "", "", ""]
         if measured:
             short, long = measured[str(SHORT)], measured[str(LONG)]
+            ratio = sweep.get("ratio_2048_64", {}).get(label, long / short)  # per-round ratios when recorded
             found.update(step_ms={SHORT: short, LONG: long}, floor_ratio=1 + least_ms / short,
                          floor_ratio_with_handoff=1 + with_handoff_ms / short,
-                         measured_ratio=long / short, attention_gb_s=extra_mb / (long - short))
+                         measured_ratio=ratio, attention_gb_s=extra_mb / (long - short))
             cells = [f"{short:.2f} / {long:.2f}", f"{1 + least_ms / short:.2f}", f"{1 + with_handoff_ms / short:.2f}",
-                     f"{long / short:.2f}", f"{extra_mb / (long - short):.1f}"]
+                     f"{ratio:.2f}", f"{extra_mb / (long - short):.1f}"]
         results[label] = found
-        rows.append([label, found["kv_dtype"], f"{found['constants_mb']:.0f}", f"{extra_mb:.1f}", f"{least_ms:.2f}",
+        rows.append([default_mark(label), found["kv_dtype"], f"{found['constants_mb']:.0f}", f"{extra_mb:.1f}", f"{least_ms:.2f}",
                      f"{with_handoff_ms:.2f}", *cells])
     print(f"read rate: {loop_rate:.1f} GB/s by the C read loop now (2 threads, 540 MB, best of 10; {one_core_loop_rate:.1f} "
           f"on 1 thread), {sweep_rate:.1f} by the fastest {SHORT}-token step of the sweep; the floors use {rate:.1f} "

@@ -39,7 +39,8 @@ def main() -> None:
     parser.add_argument("--backend", choices=("litert", "onnx"), required=True)
     parser.add_argument("--quantize", choices=("fp32", "int8", "int4"), required=True)
     parser.add_argument("--kv-cache", choices=("fp32", "fp16", "int8"), default=None,
-                        help="KV cache precision (default: the converter's, fp16 on LiteRT and fp32 on ONNX)")
+                        help="KV cache precision (default: the converter's: fp32 on ONNX; on LiteRT int8 with "
+                        "int4 weights, else fp16)")
     parser.add_argument("--lm-head", choices=("fp32", "int8", "int4"), default=None,
                         help="LM head precision (default: the converter's, int8 for quantized weights)")
     parser.add_argument("--threads", type=int, default=2)
