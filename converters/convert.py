@@ -220,14 +220,21 @@ def tflite_signatures(opts: ConvertOptions) -> list[Signature]:
     return sigs
 
 
-def fingerprint(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan) -> str:
-    """Identifies the model (weights, config, quantization) independently of the backend."""
+def fingerprint(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan,
+                kv_scales: tuple[np.ndarray, np.ndarray] | None = None) -> str:
+    """Identifies the model (weights, config, quantization) independently of the backend, and with an
+    int8 KV cache its scales: a saved session's codes mean something only with the scales that wrote
+    them, so a bundle calibrated differently must refuse it."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(json.dumps(cfg.to_dict(), sort_keys=True).encode())
     digest.update(json.dumps(plan.to_dict(), sort_keys=True).encode())
     for name in sorted(weights):
         digest.update(name.encode())
         digest.update(np.ascontiguousarray(weights[name], np.float32).tobytes())
+    if kv_scales is not None:
+        digest.update(b"int8 KV scales")
+        for scales in kv_scales:  # keys', then values' [layers, KV heads, head_dim]
+            digest.update(np.ascontiguousarray(scales, np.float32).tobytes())
     return digest.hexdigest()
 
 
@@ -338,7 +345,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         kv_layout=layout, kv_dtype=options.kv_dtype,
         quantization=plan.to_dict(), lora_rank=options.lora_rank,
         lora_targets=tuple(options.lora_targets) if options.lora_rank else (), signatures=infos,
-        fingerprint=fingerprint(cfg, ckpt.weights, plan), chat_template=tok.chat_template,
+        fingerprint=fingerprint(cfg, ckpt.weights, plan, kv_scales), chat_template=tok.chat_template,
         bos_token_id=tok.bos_token_id, eos_token_ids=tuple(tok.eos_token_ids), sampler_file=sampler_file,
         lora_groups={name: [list(parts), list(targets)] for name, (parts, targets) in groups.items()},
         lora_layout=lora_layout, decode_attention=options.attention_kind,

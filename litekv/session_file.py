@@ -137,9 +137,9 @@ def _decode(data: bytes, expected_fingerprint: str | None, where: str) -> Sessio
 def _check_contents(fingerprint: str, tokens: np.ndarray, kv_blob: np.ndarray, expected: str | None,
                     where: str) -> None:
     if expected is not None and fingerprint != expected:
-        raise SessionFormatError(f"{where}: the session belongs to another model or quantization (saved with "
-                                 f"model fingerprint {fingerprint!r}, this model's is {expected!r}); load it "
-                                 "with the model that saved it.")
+        raise SessionFormatError(f"{where}: the session belongs to another model, quantization or int8 KV "
+                                 f"calibration (saved with model fingerprint {fingerprint!r}, this model's is "
+                                 f"{expected!r}); load it with the model that saved it.")
     if tokens.size and tokens.min() < 0:
         raise SessionFormatError(f"{where}: negative token ids.")
     # Only the header matters here; KVCache.load checks shapes again when the caller restores it.

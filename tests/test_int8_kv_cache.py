@@ -183,3 +183,14 @@ def test_a_cache_saved_in_another_format_is_refused_with_the_remedy():
     with pytest.raises(KVCacheError, match="--kv-cache"):
         here.load(saved.serialize())
     assert here.num_tokens == 0
+
+
+def test_int8_bundles_share_a_fingerprint_that_their_scales_are_part_of():
+    """A session's int8 codes mean something only with the scales that wrote them: bundles with the
+    same scales (either backend) accept each other's sessions, a float cache's bundle does not."""
+    from conformance import bundle as float_cache_bundle
+    from litekv.bundle import read_manifest
+
+    onnx, litert = (read_manifest(int8_kv_bundle("llama", b)).fingerprint for b in ("onnx", "litert"))
+    assert onnx == litert
+    assert onnx != read_manifest(float_cache_bundle("llama", "onnx")).fingerprint

@@ -156,7 +156,7 @@ def test_wrong_fingerprint_names_both(tmp_path):
         sf.read_session(path, expected_fingerprint="model-bbbb-q4")
     message = str(info.value)
     assert FINGERPRINT in message and "model-bbbb-q4" in message
-    assert "another model or quantization" in message and "other.lkvs" in message
+    assert "another model, quantization or int8 KV calibration" in message and "other.lkvs" in message
 
 
 def test_future_version_asks_to_upgrade():
