@@ -87,7 +87,7 @@ def main() -> None:
             figures = decode_figures(ex, args.steps)
             if quantize == "fp32":
                 figures.update(copy_costs(ex))
-            figures["kv_dtype"] = str(ex.create_kv_cache().dtype)  # the converter's default for these weights
+            figures["kv_dtype"] = ex.manifest.kv_dtype  # the converter's default for these weights
             result[f"{backend}-{quantize}"] = figures
             rows.append([backend, quantize, figures["kv_dtype"], f"{figures['decode_tok_s']:.1f}", f"{figures['internal_sampler_tok_s']:.1f}",
                          f"{figures['step_ms']:.2f}", f"{figures['python_overhead_us']:.0f}",

@@ -62,7 +62,7 @@ class ConvertOptions:
     embedding: str | None = None
     sampler: bool = True
     # "fp32", "fp16" (half the bytes) or "int8" (static per-channel scales calibrated at conversion).
-    # None: default_kv_cache(backend, quantize).
+    # None: default_kv_cache for the backend, weights, decode attention and LoRA inputs.
     kv_cache: str | None = None
     # LiteRT one-token attention: "kernel" (litekv's custom op; the runtime needs litekv's compiled kernel)
     # or "graph" (builtin ops only, for any LiteRT runtime). None: "kernel" for LiteRT.
