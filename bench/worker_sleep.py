@@ -3,25 +3,26 @@
 XNNPACK's worker thread spins for about 15 µs after each task, then sleeps until the next parallel
 op wakes it, and a wake-up across cores costs this VM about 17 µs (bench/wake_latency.py). An
 attention call is a custom op outside XNNPACK, so the worker waits through it; once calls last
-longer than its spin, it sleeps in every layer, and the op after each call starts on one core.
+longer than its spin, it sleeps in every layer, and the op after each call likely starts on one core.
 
 For LiteRT bundles with their default KV cache, one process opens two executors: XNNPACK on 2
 threads (the default) and, as the control, on 1 thread (no worker to put to sleep). Both have the
 attention kernel on 2 threads. Rewound steps at each live length, the lengths and executors taking
-turns over the rounds. Per length it reports the step, the attention kernel's own time (its
-counters), the rest of the step (step minus attention) and the voluntary context switches per step
-of the threads that are neither Python's main thread nor the kernel's helper: XNNPACK's worker
-going to sleep. Writes a table, bench/results/worker_sleep.json and worker_sleep.png.
+turns over the rounds. Per length it reports the step (median), the attention kernel's own time
+(its counters), the rest of the step (the mean step minus the calls' time over the same steps), the
+helper's share of the chunks and how late it joins, and the voluntary context switches per step of
+the threads that are neither the calling thread nor the kernel's helper: XNNPACK's worker going to
+sleep. Writes a table, bench/results/worker_sleep.json and worker_sleep.png.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/worker_sleep.py [--quantize int4 int8]
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -37,11 +38,11 @@ def other_threads_sleeps() -> int:
     """Voluntary context switches so far of this process's threads other than the caller and the
     attention kernel's helper (XNNPACK's worker; idle pools such as OpenBLAS's add nothing)."""
     total, caller = 0, threading.get_native_id()
-    for tid in os.listdir("/proc/self/task"):
+    for task in Path("/proc/self/task").iterdir():
         try:
-            if int(tid) == caller or open(f"/proc/self/task/{tid}/comm").read().strip() == HELPER_NAME:
+            if int(task.name) == caller or (task / "comm").read_text().strip() == HELPER_NAME:
                 continue
-            for line in open(f"/proc/self/task/{tid}/status"):
+            for line in (task / "status").read_text().splitlines():
                 if line.startswith("voluntary_ctxt_switches"):
                     total += int(line.split()[1])
         except FileNotFoundError:  # a thread that ended while listed
@@ -60,8 +61,11 @@ def timed_steps(ex: LiteRTExecutor, cache, live: int, steps: int) -> dict:
         ex.step([42], cache)
         samples.append(time.perf_counter() - start)
     calls = ex.attention_stats() - stats
+    # The counters sum over these steps, so the rest of a step is taken from their mean too.
     return {"step_ms": 1e3 * statistics.median(samples),
+            "rest_ms": 1e3 * statistics.mean(samples) - calls.seconds * 1e3 / steps,
             "attention_us_per_call": calls.microseconds_per_call,
+            "helper_share": calls.helper_share,
             "helper_start_us": calls.helper_start_microseconds if calls.helper_joins else None,
             "worker_sleeps_per_step": (other_threads_sleeps() - sleeps) / steps}
 
@@ -81,7 +85,6 @@ def measure(quantize: str, rounds: int, steps: int) -> list[dict]:
                 run["got"][live].append(timed_steps(run["ex"], run["cache"], live, steps))
     rows = []
     for run in runs:
-        layers = run["ex"].config.num_layers
         for live in LIVE:
             got = run["got"][live]
             step = statistics.median(g["step_ms"] for g in got)
@@ -89,8 +92,8 @@ def measure(quantize: str, rounds: int, steps: int) -> list[dict]:
             starts = [g["helper_start_us"] for g in got if g["helper_start_us"] is not None]
             rows.append({"quantize": quantize, "kv_cache": manifest.kv_dtype, "xnnpack_threads": run["xnnpack"],
                          "live": live, "step_ms": step, "attention_us_per_call": per_call,
-                         "rest_ms": statistics.median(g["step_ms"] - layers * g["attention_us_per_call"] / 1e3
-                                                      for g in got),
+                         "rest_ms": statistics.median(g["rest_ms"] for g in got),
+                         "helper_share": statistics.median(g["helper_share"] for g in got),
                          "worker_sleeps_per_step": statistics.median(g["worker_sleeps_per_step"] for g in got),
                          "helper_start_us": statistics.median(starts) if starts else None})
     return rows
@@ -102,14 +105,17 @@ def plot(rows: list[dict], path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for quantize in dict.fromkeys(r["quantize"] for r in rows):
+    colors = plt.get_cmap("tab10").colors
+    for i, quantize in enumerate(dict.fromkeys(r["quantize"] for r in rows)):  # colour: weights; line: threads
         for xnnpack, style in ((2, "-"), (1, "--")):
             mine = [r for r in rows if r["quantize"] == quantize and r["xnnpack_threads"] == xnnpack]
             label = f"{quantize} weights, XNNPACK on {xnnpack} thread{'s' if xnnpack > 1 else ''}"
             x = [r["attention_us_per_call"] for r in mine]
-            left.plot(x, [r["rest_ms"] - mine[0]["rest_ms"] for r in mine], style, marker="o", label=label)
+            left.plot(x, [r["rest_ms"] - mine[0]["rest_ms"] for r in mine], style, marker="o", label=label,
+                      color=colors[i])
             if xnnpack == 2:
-                right.plot(x, [r["worker_sleeps_per_step"] for r in mine], style, marker="o", label=label)
+                right.plot(x, [r["worker_sleeps_per_step"] for r in mine], style, marker="o", label=label,
+                           color=colors[i])
     left.set_xlabel("attention call, µs (the kernel's counters)")
     left.set_ylabel("rest of the step, ms, over its value at 64 tokens")
     left.set_title("The step's time outside attention")
@@ -133,9 +139,10 @@ def main() -> None:
     rows = [row for q in args.quantize for row in measure(q, args.rounds, args.steps)]
     print(markdown_table(
         ["weights", "KV cache", "XNNPACK threads", "live tokens", "step, ms", "attention per call, µs",
-         "rest of the step, ms", "worker sleeps per step", "helper joins after, µs"],
+         "rest of the step, ms", "worker sleeps per step", "helper's chunks", "helper joins after, µs"],
         [[r["quantize"], r["kv_cache"], r["xnnpack_threads"], r["live"], f"{r['step_ms']:.2f}",
           f"{r['attention_us_per_call']:.1f}", f"{r['rest_ms']:.2f}", f"{r['worker_sleeps_per_step']:.1f}",
+          f"{100 * r['helper_share']:.0f} %",
           "–" if r["helper_start_us"] is None else f"{r['helper_start_us']:.1f}"] for r in rows]))
     save("worker_sleep", {"rounds": args.rounds, "steps": args.steps, "rows": rows})
     plot(rows, RESULTS / "worker_sleep.png")
