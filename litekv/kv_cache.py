@@ -252,7 +252,7 @@ class KVCache:
         """An independent cache with the same contents (a new cache_id)."""
         self._check_valid()
         copy = KVCache.allocate(self.num_layers, self.batch_size, self.num_kv_heads, self.head_dim,
-                                self.num_entries, self.layout)
+                                self.num_entries, self.layout, self.dtype)
         for dst, src in zip(copy._s.keys + copy._s.values, self._s.keys + self._s.values):
             np.copyto(dst, src)
         copy.set_num_tokens(self.num_tokens)

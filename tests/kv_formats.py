@@ -60,14 +60,18 @@ def caches_after_a_prompt(ex, ref, dtype):
 
 
 def assert_cache_round_trips(ex, backend: str, dtype) -> None:
-    """A serialized cache of `dtype` loads back and samples the same tokens; a float32 cache of
-    the same model refuses it, naming the dtype, and stays as it was."""
+    """A serialized cache of `dtype` loads back and samples the same tokens, and so does a deep
+    copy (Session.clone's); a float32 cache of the same model refuses it, naming the dtype, and
+    stays as it was."""
     prompt = list(np.random.default_rng(9).integers(3, ex.config.vocab_size, 10))
     straight = ex.create_kv_cache()
     ex.prefill(prompt, straight)
     expected = ex.sample_tokens(6, [5], straight)
     saved = ex.create_kv_cache()
     ex.prefill(prompt, saved)
+    copy = saved.deep_copy()
+    assert copy.dtype == dtype
+    np.testing.assert_array_equal(ex.sample_tokens(6, [5], copy), expected)
     restored = ex.create_kv_cache()
     restored.load(saved.serialize())
     assert restored.dtype == dtype
