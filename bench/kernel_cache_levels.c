@@ -108,7 +108,7 @@ int main(int argc, char **argv) {
         const size_t first = (size_t)(r % sets) * layers;
         const double start = seconds();
         for (size_t l = first; l < first + (size_t)layers; l++)
-            if (litekv_attention_run(&cfg, query, keys[l], values[l], mask, out, HEADS, KV_HEADS, slots, type) != 0)
+            if (litekv_attention_run(&cfg, query, keys[l], values[l], NULL, NULL, mask, out, HEADS, KV_HEADS, slots, type) != 0)
                 return 1;
         kernel = best_of(kernel, start);
     }

@@ -6,7 +6,8 @@ The kernels are compiled when litekv is installed (a C compiler is needed) into 
 their manifest (`decode_attention` / `prefill_attention: "kernel"`); without the library they
 cannot run, and `--decode-attention graph --prefill-attention graph` converts a bundle that needs
 nothing beyond LiteRT's builtin ops. Bundles with an int8 or a float16 KV cache use the ops' `_int8`
-or `_f16` forms.
+or `_f16` forms, and an int8 cache with a scale per row their `_int8_rows` forms, which take the
+keys' and values' scales as two more inputs.
 """
 from __future__ import annotations
 
@@ -25,18 +26,25 @@ OP_NAME_F16 = "litekv.decode_attention_f16"  # float16 keys and values
 PREFILL_OP_NAME = "litekv.prefill_attention"
 PREFILL_OP_NAME_INT8 = "litekv.prefill_attention_int8"
 PREFILL_OP_NAME_F16 = "litekv.prefill_attention_f16"
-# The cache element types the kernels read, in the order of decode_attention.c's CacheType.
+# int8 codes with a float32 scale per slot and KV head, for keys and values ([KVH, S] each)
+OP_NAME_INT8_ROWS = "litekv.decode_attention_int8_rows"
+PREFILL_OP_NAME_INT8_ROWS = "litekv.prefill_attention_int8_rows"
+# The cache formats the kernels read, in the order of attention_common.h's CacheType, and the
+# element types of the first three (the fourth holds int8 codes too).
+KV_FORMATS = ("float32", "int8", "float16", "int8_rows")
 CACHE_DTYPES = (np.dtype(np.float32), np.dtype(np.int8), np.dtype(np.float16))
+ROW_SCALES = KV_FORMATS.index("int8_rows")
 # op name -> (CacheType, prefill)
-_FORMS = {OP_NAME: (0, False), OP_NAME_INT8: (1, False), OP_NAME_F16: (2, False), PREFILL_OP_NAME: (0, True),
-          PREFILL_OP_NAME_INT8: (1, True), PREFILL_OP_NAME_F16: (2, True)}
+_FORMS = {OP_NAME: (0, False), OP_NAME_INT8: (1, False), OP_NAME_F16: (2, False), OP_NAME_INT8_ROWS: (3, False),
+          PREFILL_OP_NAME: (0, True), PREFILL_OP_NAME_INT8: (1, True), PREFILL_OP_NAME_F16: (2, True),
+          PREFILL_OP_NAME_INT8_ROWS: (3, True)}
 OP_VERSION = 1
 _MODULE = "litekv._decode_attention"
 
 
-def op_name(kv_dtype: str, prefill: bool) -> str:
-    """The custom op a graph calls for a cache of `kv_dtype` ("float32", "int8" or "float16")."""
-    return next(name for name, form in _FORMS.items() if form == (CACHE_DTYPES.index(np.dtype(kv_dtype)), prefill))
+def op_name(kv_format: str, prefill: bool) -> str:
+    """The custom op a graph calls for a cache of `kv_format` (one of KV_FORMATS)."""
+    return next(name for name, form in _FORMS.items() if form == (KV_FORMATS.index(kv_format), prefill))
 
 
 class AttentionConfig(ctypes.Structure):
@@ -84,7 +92,7 @@ def _load() -> ctypes.CDLL:
                                                            ctypes.POINTER(ctypes.c_uint64 * 6)]
                     lib.litekv_attention_stats.restype = None
                     lib.litekv_attention_run.restype = ctypes.c_int
-                    lib.litekv_attention_run.argtypes = [ctypes.POINTER(AttentionConfig), *[ctypes.c_void_p] * 5,
+                    lib.litekv_attention_run.argtypes = [ctypes.POINTER(AttentionConfig), *[ctypes.c_void_p] * 7,
                                                          *[ctypes.c_int] * 4]
                     try:
                         lib.litekv_prefill_attention_run.restype = ctypes.c_int
@@ -132,16 +140,27 @@ class AttentionStats:
         return self.helper_chunks / self.chunks if self.chunks else 0.0
 
 
-def _host_arrays(query, keys, values, mask) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+def _host_arrays(query, keys, values, mask, key_scales=None, value_scales=None) -> tuple:
     """Contiguous float32 query and mask, keys and values of one of CACHE_DTYPES (others are read
-    as float32); and the kernel's code for that type."""
+    as float32), the row scales as float32 or None; and the kernel's code for that format."""
     kv_dtype = np.asarray(keys).dtype
     if kv_dtype != np.asarray(values).dtype:
         raise ValueError(f"keys and values must have one dtype, not {kv_dtype} and {np.asarray(values).dtype}")
+    if (key_scales is None) != (value_scales is None):
+        raise ValueError("give the keys' and the values' row scales together, or neither")
+    if key_scales is not None and kv_dtype != np.int8:
+        raise ValueError(f"row scales go with int8 codes, not {kv_dtype} keys and values")
     kv_dtype = kv_dtype if kv_dtype in CACHE_DTYPES else np.dtype(np.float32)
     query, mask = (np.ascontiguousarray(a, np.float32) for a in (query, mask))
     keys, values = (np.ascontiguousarray(a, kv_dtype) for a in (keys, values))
-    return query, keys, values, mask, CACHE_DTYPES.index(kv_dtype)
+    if key_scales is None:
+        return query, keys, values, mask, None, None, CACHE_DTYPES.index(kv_dtype)
+    key_scales, value_scales = (np.ascontiguousarray(a, np.float32) for a in (key_scales, value_scales))
+    return query, keys, values, mask, key_scales, value_scales, ROW_SCALES
+
+
+def _pointer(array: np.ndarray | None) -> int | None:
+    return None if array is None else array.ctypes.data
 
 
 def available() -> bool:
@@ -191,13 +210,19 @@ class AttentionKernel:
                 return status
         return 0
 
-    def run(self, query: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray,
-            num_kv_heads: int) -> np.ndarray:
+    def run(self, query: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray, num_kv_heads: int,
+            key_scales: np.ndarray | None = None, value_scales: np.ndarray | None = None) -> np.ndarray:
         """The op on host arrays: query [H*D], keys/values [S, KVH*D] (float32, int8 codes for the
-        int8 form, or float16), mask [S] float32 -> [H*D]."""
-        query, keys, values, mask, cache_type = _host_arrays(query, keys, values, mask)
+        int8 forms, or float16), mask [S] float32 -> [H*D]. With int8 codes, `key_scales` and
+        `value_scales` [KVH, S] give each row's scale (the `_int8_rows` form)."""
+        query, keys, values, mask, key_scales, value_scales, cache_type = _host_arrays(
+            query, keys, values, mask, key_scales, value_scales)
+        if key_scales is not None and (key_scales.size != num_kv_heads * mask.size
+                                       or value_scales.size != key_scales.size):
+            raise ValueError(f"row scales of {key_scales.size} and {value_scales.size} elements do not fit "
+                             f"{num_kv_heads} KV heads x {mask.size} slots")
         out = np.empty_like(query)
-        pointers = (a.ctypes.data for a in (query, keys, values, mask, out))
+        pointers = (_pointer(a) for a in (query, keys, values, key_scales, value_scales, mask, out))
         status = self._lib.litekv_attention_run(ctypes.byref(self.config), *pointers,
                                                 query.size // self.config.head_dim, num_kv_heads, mask.size, cache_type)
         if status != 0:
@@ -205,10 +230,12 @@ class AttentionKernel:
         return out
 
     def run_prefill(self, query: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray,
-                    num_kv_heads: int) -> np.ndarray:
+                    num_kv_heads: int, key_scales: np.ndarray | None = None,
+                    value_scales: np.ndarray | None = None) -> np.ndarray:
         """The prefill op on host arrays: query [T, H*D], keys/values [S, KVH*D] (float32, int8
-        codes or float16), mask [T, S] float32 -> [T, H*D]."""
-        query, keys, values, mask, cache_type = _host_arrays(query, keys, values, mask)
+        codes or float16), mask [T, S] float32 -> [T, H*D]; row scales [KVH, S] as for `run`."""
+        query, keys, values, mask, key_scales, value_scales, cache_type = _host_arrays(
+            query, keys, values, mask, key_scales, value_scales)
         if mask.ndim != 2:
             raise ValueError(f"prefill attention rejected the shapes: mask {mask.shape} is not [T, S]")
         tokens, slots = mask.shape
@@ -217,8 +244,11 @@ class AttentionKernel:
                 or query.shape != (tokens, self.config.num_heads * self.config.head_dim)):
             raise ValueError(f"prefill attention rejected the shapes: query {query.shape}, keys {keys.shape}, values "
                              f"{values.shape}, mask {mask.shape} (want [T, H*D], [S, KVH*D] twice, [T, S])")
+        if key_scales is not None and (key_scales.size != num_kv_heads * slots or value_scales.size != key_scales.size):
+            raise ValueError(f"row scales of {key_scales.size} and {value_scales.size} elements do not fit "
+                             f"{num_kv_heads} KV heads x {slots} slots")
         out = np.empty_like(query)
-        pointers = (a.ctypes.data for a in (query, keys, values, mask, out))
+        pointers = (_pointer(a) for a in (query, keys, values, key_scales, value_scales, mask, out))
         status = self._lib.litekv_prefill_attention_run(ctypes.byref(self.config), *pointers, tokens, num_kv_heads,
                                                         slots, cache_type)
         if status != 0:
@@ -241,11 +271,12 @@ class AttentionKernel:
 
 
 def reference(query: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray, num_kv_heads: int,
-              head_dim: int, threads: int = 1, int8_dot: bool = True) -> np.ndarray:
+              head_dim: int, threads: int = 1, int8_dot: bool = True, key_scales: np.ndarray | None = None,
+              value_scales: np.ndarray | None = None) -> np.ndarray:
     """The kernel's arithmetic on host arrays, without LiteRT (for tests): see AttentionKernel.run."""
     kernel = AttentionKernel(head_dim, np.asarray(query).size // head_dim, np.asarray(mask).size, threads,
                              int8_dot=int8_dot)
     try:
-        return kernel.run(query, keys, values, mask, num_kv_heads)
+        return kernel.run(query, keys, values, mask, num_kv_heads, key_scales, value_scales)
     finally:
         kernel.release()

@@ -110,6 +110,63 @@ def test_int8_form_matches_numpy_on_the_codes(heads, kv_heads, head_dim, slots, 
     np.testing.assert_allclose(got, expected, atol=0.05 if int8_dot else 2e-3, rtol=1e-4)
 
 
+def quantize_rows(x, kv_heads, head_dim):
+    """int8 codes [S, KVH*D] of x with one scale per slot and KV head, and the scales [KVH, S]."""
+    rows = x.reshape(x.shape[0], kv_heads, head_dim)
+    scales = np.maximum(np.abs(rows).max(axis=2), 1e-30) / 127.0  # [S, KVH]
+    codes = np.clip(np.rint(rows / scales[..., None]), -127, 127).astype(np.int8)
+    return codes.reshape(x.shape), np.ascontiguousarray(scales.T, np.float32)
+
+
+def rows_case(heads, kv_heads, head_dim, slots, live, window=None):
+    """Keys and values whose rows differ in size by 100x, as int8 codes with a scale per row."""
+    q, k, v, m = case(heads, kv_heads, head_dim, slots, live, window)
+    rng = np.random.default_rng(2)
+    k, v = (x * rng.uniform(0.1, 10.0, (slots, 1)).astype(np.float32) for x in (k, v))
+    (kc, ks), (vc, vs) = quantize_rows(k, kv_heads, head_dim), quantize_rows(v, kv_heads, head_dim)
+    return q / 8, kc, vc, ks, vs, m
+
+
+def dequantized(codes, scales, kv_heads, head_dim):
+    rows = codes.reshape(codes.shape[0], kv_heads, head_dim).astype(np.float64)
+    return (rows * scales.T[..., None]).reshape(codes.shape)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, slots, live, window", [
+    (9, 3, 64, 384, 300, None),
+    (4, 1, 256, 128, 100, None),
+    (8, 2, 128, 300, 290, 100),
+    (6, 6, 16, 32, 20, None),     # no integer path for head_dim 16: the codes are widened and scaled
+    (9, 3, 64, 1500, 1401, None),  # four chunks, each with its own largest value scale
+    (10, 2, 64, 260, 259, None),
+])
+@pytest.mark.parametrize("threads", [1, 2], ids=["one thread", "two threads"])
+@pytest.mark.parametrize("int8_dot", [True, False], ids=["integer dot products", "codes widened to floats"])
+def test_int8_rows_form_matches_numpy_on_the_scaled_codes(heads, kv_heads, head_dim, slots, live, window, threads,
+                                                          int8_dot):
+    """With a scale per row, each slot's codes count times their own scale, in the scores and in the
+    weighted values. The rows here differ in size by up to 100x, so a kernel that dropped either
+    scale, or applied one row's to another, would be far off."""
+    q, k, v, ks, vs, m = rows_case(heads, kv_heads, head_dim, slots, live, window)
+    got = native_attention.reference(q, k, v, m, kv_heads, head_dim, threads, int8_dot=int8_dot, key_scales=ks,
+                                     value_scales=vs)
+    expected = numpy_attention(q, dequantized(k, ks, kv_heads, head_dim), dequantized(v, vs, kv_heads, head_dim), m,
+                               kv_heads, head_dim)
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(got, expected, atol=(2e-3 if int8_dot else 2e-5) * scale, rtol=1e-4)
+
+
+def test_int8_rows_form_takes_both_scales_that_fit_the_cache():
+    q, k, v, ks, vs, m = rows_case(9, 3, 64, 64, 40)
+    with pytest.raises(ValueError, match="together"):
+        native_attention.reference(q, k, v, m, 3, 64, key_scales=ks)
+    with pytest.raises(ValueError, match="do not fit"):
+        native_attention.reference(q, k, v, m, 3, 64, key_scales=ks[:, :32], value_scales=vs[:, :32])
+    with pytest.raises(ValueError, match="int8 codes"):
+        native_attention.reference(q, k.astype(np.float32), v.astype(np.float32), m, 3, 64, key_scales=ks,
+                                   value_scales=vs)
+
+
 @pytest.mark.skipif(not native_attention.available() or not native_attention.int8_dot_available(),
                     reason="this CPU has no AVX-512 VNNI")
 def test_int8_caches_use_integer_dot_products_where_the_cpu_has_them():

@@ -183,3 +183,30 @@ def test_kernel_bundles_prefill_in_the_custom_op_at_one_capacity():
     for ex, cache in zip((kernel, graph), caches):
         ex.prefill(prompt, cache)
     assert relative_error(kernel.step([7], caches[0]), graph.step([7], caches[1])) < 1e-4
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, tokens, slots, start, window", [
+    (9, 3, 64, 37, 300, 100, None),    # SmolLM2's heads, a chunk after a prefix
+    (4, 1, 256, 40, 600, 300, 64),     # Gemma 3 270M's heads, a sliding window
+    (6, 2, 48, 17, 100, 40, None),     # a head_dim without a vector path
+])
+def test_int8_rows_form_matches_numpy_on_the_scaled_codes(heads, kv_heads, head_dim, tokens, slots, start, window):
+    """Codes with a scale per slot and KV head, rows differing in size by up to 100x: each counts
+    times its own scale in the scores and the weighted values."""
+    q, k, v, m = causal_case(heads, kv_heads, head_dim, tokens, slots, start, window)
+    rng = np.random.default_rng(3)
+    codes, scales = [], []
+    for x in (k, v):
+        rows = (x * rng.uniform(0.1, 10.0, (slots, 1))).reshape(slots, kv_heads, head_dim)
+        scale = np.abs(rows).max(axis=2) / 127.0
+        codes.append(np.rint(rows / scale[..., None]).astype(np.int8).reshape(slots, -1))
+        scales.append(np.ascontiguousarray(scale.T, np.float32))
+    kernel = native_attention.AttentionKernel(head_dim, heads, slots, 2)
+    try:
+        got = kernel.run_prefill(q / 8, codes[0], codes[1], m, kv_heads, key_scales=scales[0], value_scales=scales[1])
+    finally:
+        kernel.release()
+    k_float, v_float = ((c.reshape(slots, kv_heads, head_dim) * s.T[..., None]).reshape(slots, -1)
+                        for c, s in zip(codes, scales))
+    want = numpy_prefill(q / 8, k_float, v_float, m, kv_heads, head_dim)
+    np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max(), rtol=1e-4)

@@ -10,6 +10,8 @@
  * - Weighted values: the softmax numerators are int16 (p * 32767), and two slots' value rows are
  *   interleaved as int16 pairs, so one vpdpwssd adds both slots' share to 16 dimensions. The int32
  *   sums are added into the float accumulator every FLUSH_PAIRS pairs, before they can overflow.
+ * With a scale per row (CACHE_I8_ROWS), each slot's dot product is multiplied by its key row's
+ * scale, and each numerator by its value row's scale before it is rounded to int16.
  * head_dim must pass int8_dot_head_dim: a multiple of 64 (a row segment is one 64-byte line) and
  * at most 256 (int32 range of the scores). */
 #include "attention_common.h"
@@ -102,6 +104,10 @@ TARGET static inline __attribute__((always_inline)) void score_block(const Job *
         transpose16(col[c]); /* col[c][j] lane r: dimensions 64c + 4j .. 64c + 4j + 3 of slot s0 + r, plus 128 */
     }
     const __mmask16 stored = (__mmask16)((1u << rows) - 1);
+    /* a scale per row (CACHE_I8_ROWS) multiplies each slot's dot product; static scales are in the query */
+    const __m512 row_scale = job->key_scales
+                                 ? _mm512_maskz_loadu_ps(stored, job->key_scales + (size_t)kv * job->scale_stride + s0)
+                                 : _mm512_set1_ps(1.0f);
     for (int g = 0; g < group; g++) {
         const int h = kv * group + g;
         const int8_t *hi = q->hi + (size_t)h * d, *lo = q->lo + (size_t)h * d;
@@ -117,8 +123,8 @@ TARGET static inline __attribute__((always_inline)) void score_block(const Job *
         const __m512i high = _mm512_add_epi32(a[0], a[1]), low = _mm512_add_epi32(b[0], b[1]);
         const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(high, 7), low),
                                                _mm512_set1_epi32(q->offset[h]));
-        const __m512 score = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(q->unit[h]),
-                                             _mm512_maskz_loadu_ps(stored, job->mask + s0));
+        const __m512 score = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), row_scale),
+                                             _mm512_set1_ps(q->unit[h]), _mm512_maskz_loadu_ps(stored, job->mask + s0));
         _mm512_mask_storeu_ps(job->scores + (size_t)h * job->stride + part->first + (s0 - part->lo), stored, score);
         const __m512 best = _mm512_loadu_ps(top + 16 * h);
         _mm512_storeu_ps(top + 16 * h, _mm512_mask_max_ps(best, stored, best, score));
@@ -227,25 +233,53 @@ TARGET void int8_dot_digits(const Job *job, Digits *out) {
                                     out->offset + h);
 }
 
+/* With a scale per value row, a numerator weighs e^(score - top) * scale / (the part's largest
+ * scale): the int16 range spent on the part's own rows. The sum stays e^(score - top) summed, so
+ * the weighted values are brought to the same units after the pass (`unit`). */
+TARGET static float row_numerators(const Job *job, const Part *part, const float *sc, float top, int kv, int n,
+                                   int16_t *numerators, float *unit) {
+    const float *scales = job->value_scales + (size_t)kv * job->scale_stride + part->lo;
+    float largest = 0.0f, total = 0.0f;
+    for (int i = 0; i < n; i++) largest = scales[i] > largest ? scales[i] : largest;
+    const float step = largest > 0.0f ? NUMERATOR_ONE / largest : 0.0f;
+    for (int i = 0; i < n; i++) {
+        const float e = exp_nonpositive(sc[i] - top);
+        numerators[i] = (int16_t)(int32_t)(e * scales[i] * step + 0.5f);
+        total += e;
+    }
+    *unit = largest / NUMERATOR_ONE;
+    return total;
+}
+
 TARGET void attend_part_int8_dot(const Job *job, Part *part) {
-    const int heads = job->heads, n = part->hi - part->lo + 1;
+    const int heads = job->heads, n = part->hi - part->lo + 1, group = heads / job->kv_heads;
     float tops[16 * heads]; /* per head, the largest of its masked scores so far in each lane */
+    float units[heads];     /* per head, what one step of the weighted values' sums is worth */
     for (int i = 0; i < 16 * heads; i++) tops[i] = MASKED_BELOW * 2.0f;
     scores(job, part, job->digits, tops);
     for (int h = 0; h < heads; h++) {
         const float *sc = job->scores + (size_t)h * job->stride + part->first;
         const float top = _mm512_reduce_max_ps(_mm512_loadu_ps(tops + 16 * h));
         int16_t *numerators = part->numerators + (size_t)h * part->numerator_stride;
-        int32_t total = 0; /* <= 32767 * CHUNK_SLOTS */
-        for (int i = 0; i < n; i++) {
-            numerators[i] = (int16_t)(int32_t)(exp_nonpositive(sc[i] - top) * NUMERATOR_ONE + 0.5f);
-            total += numerators[i];
+        if (job->value_scales) {
+            part->sum[h] = row_numerators(job, part, sc, top, h / group, n, numerators, &units[h]);
+        } else {
+            int32_t total = 0; /* <= 32767 * CHUNK_SLOTS */
+            for (int i = 0; i < n; i++) {
+                numerators[i] = (int16_t)(int32_t)(exp_nonpositive(sc[i] - top) * NUMERATOR_ONE + 0.5f);
+                total += numerators[i];
+            }
+            part->sum[h] = (float)total;
         }
         numerators[n] = 0; /* the partner of an odd last slot */
         part->max[h] = top;
-        part->sum[h] = (float)total;
     }
     weighted_values(job, part);
+    if (job->value_scales) {
+        const int d = job->head_dim;
+        for (int h = 0; h < heads; h++)
+            for (int j = 0; j < d; j++) part->acc[(size_t)h * d + j] *= units[h];
+    }
 }
 
 #endif

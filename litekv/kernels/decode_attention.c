@@ -152,6 +152,18 @@ INLINE v16 sum16x16(const v16 *a) {
 
 #define BLOCK 16 /* slots per block: one vector of scores per head */
 
+/* Widened codes of rows s0.. times their scales, with a scale per row (CACHE_I8_ROWS). */
+INLINE void scale_rows(const Job *job, float *restrict rows_out, const float *scales, int s0, int rows) {
+    if (!scales) return;
+    const int d = job->head_dim;
+    for (int r = 0; r < rows; r++)
+        for (int kv = 0; kv < job->kv_heads; kv++) {
+            const float scale = scales[(size_t)kv * job->scale_stride + s0 + r];
+            float *x = rows_out + (size_t)r * job->row + (size_t)kv * d;
+            for (int j = 0; j < d; j++) x[j] *= scale;
+        }
+}
+
 /* Prefetches slice `part` of `parts` of the 64-byte lines of the rows `ahead` slots past
  * s0..s0+rows-1 (contiguous). The passes call it once per head or row, so the prefetches spread
  * over the arithmetic: issued as one burst per block, they filled the core's miss buffers and
@@ -167,9 +179,10 @@ INLINE void prefetch_slice(const char *base, size_t row_bytes, int s0, int rows,
  * time into an L1 buffer). Slots go in blocks of 16: each head's 16 dot products end in one reduction tree,
  * and the weighted values of GB heads at a time stay in registers while the block's rows are
  * read. Prefetching runs the same bytes ahead for any T, spread over the passes. */
-#define ROWS_AS_FLOAT(cache, s0, rows, buffer)                                                         \
+#define ROWS_AS_FLOAT(cache, scales, s0, rows, buffer)                                                 \
     (sizeof(*(cache)) < sizeof(float)                                                                  \
-         ? (widen(buffer, cache, sizeof(*(cache)), (size_t)(s0) * row, (size_t)(rows) * row), (const float *)(buffer)) \
+         ? (widen(buffer, cache, sizeof(*(cache)), (size_t)(s0) * row, (size_t)(rows) * row),          \
+            scale_rows(job, buffer, scales, s0, rows), (const float *)(buffer))                        \
          : (const float *)(const void *)(cache) + (size_t)(s0) * row)
 #define DEFINE_PART(NAME, C, GB, T)                                                                    \
     INLINE void NAME(const Job *job, Part *part) {                                                     \
@@ -181,7 +194,7 @@ INLINE void prefetch_slice(const char *base, size_t row_bytes, int s0, int rows,
         float widened[sizeof(T) < sizeof(float) ? BLOCK * row : 1];                                    \
         for (int i0 = 0; i0 < n; i0 += BLOCK) {                                                        \
             const int rows = n - i0 < BLOCK ? n - i0 : BLOCK, s0 = part->lo + i0;                      \
-            const float *block = ROWS_AS_FLOAT(keys, s0, rows, widened);                               \
+            const float *block = ROWS_AS_FLOAT(keys, job->key_scales, s0, rows, widened);              \
             for (int kv = 0; kv < job->kv_heads; kv++)                                                 \
                 for (int g = 0; g < group; g++) {                                                      \
                     const int h = kv * group + g;                                                      \
@@ -203,7 +216,7 @@ INLINE void prefetch_slice(const char *base, size_t row_bytes, int s0, int rows,
         memset(part->acc, 0, sizeof(float) * (size_t)heads * 16 * C);                                  \
         for (int i0 = 0; i0 < n; i0 += BLOCK) {                                                        \
             const int rows = n - i0 < BLOCK ? n - i0 : BLOCK, s0 = part->lo + i0;                      \
-            const float *block = ROWS_AS_FLOAT(values, s0, rows, widened);                             \
+            const float *block = ROWS_AS_FLOAT(values, job->value_scales, s0, rows, widened);          \
             for (int kv = 0; kv < job->kv_heads; kv++)                                                 \
                 for (int g0 = 0; g0 < group; g0 += GB) {                                               \
                     const int gb = group - g0 < GB ? group - g0 : GB;                                  \
@@ -248,6 +261,7 @@ INLINE void part_any(const Job *job, Part *part) {
             const size_t k = (size_t)s * job->row + (size_t)(h / group) * d;
             float dot = 0.0f;
             for (int j = 0; j < d; j++) dot += q[j] * element(job->keys, k + j, job->cache_type);
+            dot *= row_scale(job->key_scales, job->scale_stride, h / group, s);
             sc[i] = job->mask[s] <= MASKED_BELOW ? -INFINITY : dot + job->mask[s];
             best = sc[i] > best ? sc[i] : best;
         }
@@ -257,7 +271,8 @@ INLINE void part_any(const Job *job, Part *part) {
             sc[i] = exp_nonpositive(sc[i] - best);
             total += sc[i];
             const size_t v = (size_t)(part->lo + i) * job->row + (size_t)(h / group) * d;
-            for (int j = 0; j < d; j++) acc[j] += sc[i] * element(job->values, v + j, job->cache_type);
+            const float w = sc[i] * row_scale(job->value_scales, job->scale_stride, h / group, part->lo + i);
+            for (int j = 0; j < d; j++) acc[j] += w * element(job->values, v + j, job->cache_type);
         }
         part->max[h] = best;
         part->sum[h] = total;
@@ -279,6 +294,9 @@ VECTOR_CLONES static void attend_part(const Job *job, Part *part) {
     case SHAPE(CACHE_I8, 64): part_4_i8(job, part); break;
     case SHAPE(CACHE_I8, 128): part_8_i8(job, part); break;
     case SHAPE(CACHE_I8, 256): part_16_i8(job, part); break;
+    case SHAPE(CACHE_I8_ROWS, 64): part_4_i8(job, part); break;
+    case SHAPE(CACHE_I8_ROWS, 128): part_8_i8(job, part); break;
+    case SHAPE(CACHE_I8_ROWS, 256): part_16_i8(job, part); break;
     case SHAPE(CACHE_F16, 64): part_4_f16(job, part); break;
     case SHAPE(CACHE_F16, 128): part_8_f16(job, part); break;
     case SHAPE(CACHE_F16, 256): part_16_f16(job, part); break;
@@ -386,7 +404,7 @@ static void attend(State *st, Job *job, int slots, float *out) {
 }
 
 /* Slots per chunk for a cache of this element type. */
-static int chunk_slots(const Job *job) { return job->cache_type == CACHE_I8 ? CHUNK_SLOTS : FLOAT_CHUNK_SLOTS; }
+static int chunk_slots(const Job *job) { return int8_codes(job->cache_type) ? CHUNK_SLOTS : FLOAT_CHUNK_SLOTS; }
 
 static void compute(State *st, Job *job, int slots, float *out) {
     int lo, hi;
@@ -533,7 +551,7 @@ static Status op_init(void *user_data, const void *init_data, size_t init_data_s
 static Status op_output_layouts(void *user_data, size_t num_inputs, const Layout *inputs, size_t num_outputs,
                                 Layout *outputs) {
     (void)user_data;
-    if (num_inputs != 4 || num_outputs != 1) return STATUS_INVALID_ARGUMENT;
+    if ((num_inputs != 4 && num_inputs != 6) || num_outputs != 1) return STATUS_INVALID_ARGUMENT;
     outputs[0] = inputs[0]; /* the output has the query's shape */
     return STATUS_OK;
 }
@@ -549,31 +567,41 @@ static Status buffer(const AttentionConfig *cfg, void *handle, void **address, s
 /* Checks the sizes (nk, nv in cache elements) and fills the job; the scores go to the state's
  * scratch, max_slots columns per head. */
 static Status make_job(Job *job, const float *q, size_t nq, const void *k, size_t nk, const void *v, size_t nv,
-                       int cache_type, const float *m, size_t slots, int head_dim, int max_heads, const State *st) {
+                       const float *ks, const float *vs, size_t n_scales, int cache_type, const float *m, size_t slots,
+                       int head_dim, int max_heads, const State *st) {
     if (head_dim <= 0 || slots == 0 || slots > (size_t)st->max_slots || nq % head_dim || nk != nv || nk % slots ||
         (nk / slots) % head_dim || nq / head_dim > (size_t)max_heads)
         return STATUS_INVALID_ARGUMENT;
     const int heads = (int)(nq / head_dim), kv_heads = (int)(nk / slots / head_dim);
     if (heads == 0 || kv_heads == 0 || heads % kv_heads) return STATUS_INVALID_ARGUMENT;
-    *job = (Job){q, m, k, v, cache_type, cache_type == CACHE_I8 && st->int8_dot, heads, kv_heads, head_dim, kv_heads * head_dim, st->scores,
-                 st->max_slots};
+    const int rows = cache_type == CACHE_I8_ROWS; /* a scale per slot and KV head, for keys and values */
+    if (rows != (ks && vs) || (rows && n_scales != slots * (size_t)kv_heads)) return STATUS_INVALID_ARGUMENT;
+    *job = (Job){q, m, k, v, ks, vs, (int)slots, cache_type, int8_codes(cache_type) && st->int8_dot, heads, kv_heads,
+                 head_dim, kv_heads * head_dim, st->scores, st->max_slots};
     return STATUS_OK;
 }
 
-/* An op call's query, keys, values, mask and output: their host addresses and element counts. */
+/* An op call's query, keys, values, mask and output (and with row scales, the keys' and values'
+ * scales, inputs 4 and 5): their host addresses and element counts. */
 typedef struct {
-    void *q, *k, *v, *m, *o;
-    size_t nq, nk, nv, nm, no;
+    void *q, *k, *v, *m, *o, *ks, *vs;
+    size_t nq, nk, nv, nm, no, nks, nvs;
 } OpBuffers;
 
 static Status op_buffers(const AttentionConfig *cfg, size_t num_inputs, void *const *inputs, size_t num_outputs,
                          void **outputs, int cache_type, OpBuffers *b) {
-    if (!cfg->state || num_inputs != 4 || num_outputs != 1) return STATUS_INVALID_ARGUMENT;
+    const size_t expected = cache_type == CACHE_I8_ROWS ? 6 : 4;
+    if (!cfg->state || num_inputs != expected || num_outputs != 1) return STATUS_INVALID_ARGUMENT;
     const size_t element = cache_element_bytes(cache_type);
+    *b = (OpBuffers){0};
     if (buffer(cfg, inputs[0], &b->q, &b->nq, sizeof(float)) || buffer(cfg, inputs[1], &b->k, &b->nk, element) ||
         buffer(cfg, inputs[2], &b->v, &b->nv, element) || buffer(cfg, inputs[3], &b->m, &b->nm, sizeof(float)) ||
         buffer(cfg, outputs[0], &b->o, &b->no, sizeof(float)))
         return STATUS_RUNTIME_FAILURE;
+    if (expected == 6 && (buffer(cfg, inputs[4], &b->ks, &b->nks, sizeof(float)) ||
+                          buffer(cfg, inputs[5], &b->vs, &b->nvs, sizeof(float))))
+        return STATUS_RUNTIME_FAILURE;
+    if (b->nks != b->nvs) return STATUS_INVALID_ARGUMENT;
     return STATUS_OK;
 }
 
@@ -585,8 +613,8 @@ static Status run(void *user_data, size_t num_inputs, void *const *inputs, size_
     if (status != STATUS_OK) return status;
     Job job;
     /* a decode mask holds one row of S slots */
-    if (b.nq != b.no || make_job(&job, b.q, b.nq, b.k, b.nk, b.v, b.nv, cache_type, b.m, b.nm, cfg->head_dim,
-                                 cfg->num_heads, cfg->state))
+    if (b.nq != b.no || make_job(&job, b.q, b.nq, b.k, b.nk, b.v, b.nv, b.ks, b.vs, b.nks, cache_type, b.m, b.nm,
+                                 cfg->head_dim, cfg->num_heads, cfg->state))
         return STATUS_INVALID_ARGUMENT;
     attend(cfg->state, &job, (int)b.nm, b.o);
     return STATUS_OK;
@@ -606,11 +634,17 @@ static Status op_run_f16(void *user_data, size_t num_inputs, void *const *inputs
     return run(user_data, num_inputs, inputs, num_outputs, outputs, CACHE_F16);
 }
 
+static Status op_run_int8_rows(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
+                               void **outputs) {
+    return run(user_data, num_inputs, inputs, num_outputs, outputs, CACHE_I8_ROWS);
+}
+
 /* A prefill chunk: query [1, T, H*D], caches [1, S, KVH*D], mask [.., T, S]; H from the
  * registration, so T = query size / (H * D), S = mask size / T. */
 static Status make_prefill_job(PrefillJob *job, const float *q, size_t nq, const void *k, size_t nk, const void *v,
-                               size_t nv, int cache_type, const float *m, size_t nm, float *o, size_t no, int heads,
-                               int head_dim, const State *st) {
+                               size_t nv, const float *ks, const float *vs, size_t n_scales, int cache_type,
+                               const float *m, size_t nm, float *o, size_t no, int heads, int head_dim,
+                               const State *st) {
     const size_t width = (size_t)heads * head_dim;
     if (head_dim <= 0 || heads <= 0 || nq == 0 || nq % width || no != nq) return STATUS_INVALID_ARGUMENT;
     const size_t tokens = nq / width;
@@ -619,7 +653,9 @@ static Status make_prefill_job(PrefillJob *job, const float *q, size_t nq, const
     if (slots == 0 || slots > (size_t)st->max_slots || nk != nv || nk % (slots * head_dim)) return STATUS_INVALID_ARGUMENT;
     const size_t kv_heads = nk / (slots * head_dim);
     if (kv_heads == 0 || heads % kv_heads || tokens > INT32_MAX) return STATUS_INVALID_ARGUMENT;
-    *job = (PrefillJob){q, m, k, v, o, cache_type, (int)tokens, (int)slots, heads, (int)kv_heads, head_dim,
+    const int rows = cache_type == CACHE_I8_ROWS;
+    if (rows != (ks && vs) || (rows && n_scales != slots * kv_heads)) return STATUS_INVALID_ARGUMENT;
+    *job = (PrefillJob){q, m, k, v, ks, vs, o, cache_type, (int)tokens, (int)slots, heads, (int)kv_heads, head_dim,
                         (int)kv_heads * head_dim};
     /* the ticket counts tasks in 20 bits */
     return prefill_tasks(job) <= (int)TICKET_FIELD ? STATUS_OK : STATUS_INVALID_ARGUMENT;
@@ -632,8 +668,8 @@ static Status run_prefill(void *user_data, size_t num_inputs, void *const *input
     Status status = op_buffers(cfg, num_inputs, inputs, num_outputs, outputs, cache_type, &b);
     if (status != STATUS_OK) return status;
     PrefillJob job;
-    if (make_prefill_job(&job, b.q, b.nq, b.k, b.nk, b.v, b.nv, cache_type, b.m, b.nm, b.o, b.no, cfg->num_heads,
-                         cfg->head_dim, cfg->state))
+    if (make_prefill_job(&job, b.q, b.nq, b.k, b.nk, b.v, b.nv, b.ks, b.vs, b.nks, cache_type, b.m, b.nm, b.o, b.no,
+                         cfg->num_heads, cfg->head_dim, cfg->state))
         return STATUS_INVALID_ARGUMENT;
     return compute_prefill(cfg->state, &job);
 }
@@ -653,6 +689,11 @@ static Status op_run_prefill_f16(void *user_data, size_t num_inputs, void *const
     return run_prefill(user_data, num_inputs, inputs, num_outputs, outputs, CACHE_F16);
 }
 
+static Status op_run_prefill_int8_rows(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
+                                       void **outputs) {
+    return run_prefill(user_data, num_inputs, inputs, num_outputs, outputs, CACHE_I8_ROWS);
+}
+
 static Status op_destroy(void *user_data) {
     (void)user_data; /* the state lives until litekv_attention_release: entry points share it */
     return STATUS_OK;
@@ -668,9 +709,10 @@ typedef struct {
  * form for a cache of `cache_type`, a CacheType (another value: nonzero is returned). All ops
  * share one registration's state: scratch and helper thread. */
 int litekv_attention_kernel(Kernel *kernel, int cache_type, int prefill) {
-    static void *const decode_runs[] = {(void *)op_run, (void *)op_run_int8, (void *)op_run_f16};
+    static void *const decode_runs[] = {(void *)op_run, (void *)op_run_int8, (void *)op_run_f16,
+                                        (void *)op_run_int8_rows};
     static void *const prefill_runs[] = {(void *)op_run_prefill, (void *)op_run_prefill_int8,
-                                         (void *)op_run_prefill_f16};
+                                         (void *)op_run_prefill_f16, (void *)op_run_prefill_int8_rows};
     if (!valid_cache_type(cache_type)) return STATUS_INVALID_ARGUMENT;
     kernel->init = (void *)op_init;
     kernel->output_layouts = (void *)op_output_layouts;
@@ -709,31 +751,35 @@ void litekv_attention_release(AttentionConfig *cfg) {
 }
 
 /* The same computation on host arrays, with the registration's state (tests, benchmarks): query
- * [H*D], keys and values [slots, KVH*D] (elements of `cache_type`), mask [slots], out [H*D]. */
+ * [H*D], keys and values [slots, KVH*D] (elements of `cache_type`), their row scales [KVH, slots]
+ * for CACHE_I8_ROWS (else NULL), mask [slots], out [H*D]. */
 int litekv_attention_run(AttentionConfig *cfg, const float *query, const void *keys, const void *values,
-                         const float *mask, float *out, int heads, int kv_heads, int slots, int cache_type) {
+                         const float *key_scales, const float *value_scales, const float *mask, float *out, int heads,
+                         int kv_heads, int slots, int cache_type) {
     if (heads <= 0 || kv_heads <= 0 || slots <= 0 || !valid_cache_type(cache_type))
         return STATUS_INVALID_ARGUMENT;
     if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
     const size_t n = (size_t)slots * kv_heads * cfg->head_dim;
     Job job;
     State *st = cfg->state;
-    Status status = make_job(&job, query, (size_t)heads * cfg->head_dim, keys, n, values, n, cache_type, mask,
-                             (size_t)slots, cfg->head_dim, cfg->num_heads, st);
+    Status status = make_job(&job, query, (size_t)heads * cfg->head_dim, keys, n, values, n, key_scales, value_scales,
+                             (size_t)slots * kv_heads, cache_type, mask, (size_t)slots, cfg->head_dim, cfg->num_heads, st);
     if (status == STATUS_OK) attend(st, &job, slots, out);
     return status;
 }
 
 /* A prefill chunk on host arrays: query and out [tokens][H*D], keys and values [slots, KVH*D]
- * (elements of `cache_type`), mask [tokens][slots]. */
+ * (elements of `cache_type`) with their row scales as for litekv_attention_run, mask [tokens][slots]. */
 int litekv_prefill_attention_run(AttentionConfig *cfg, const float *query, const void *keys, const void *values,
-                                 const float *mask, float *out, int tokens, int kv_heads, int slots, int cache_type) {
+                                 const float *key_scales, const float *value_scales, const float *mask, float *out,
+                                 int tokens, int kv_heads, int slots, int cache_type) {
     if (tokens <= 0 || kv_heads <= 0 || slots <= 0 || !valid_cache_type(cache_type))
         return STATUS_INVALID_ARGUMENT;
     if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
     const size_t nq = (size_t)tokens * cfg->num_heads * cfg->head_dim, nk = (size_t)slots * kv_heads * cfg->head_dim;
     PrefillJob job;
-    Status status = make_prefill_job(&job, query, nq, keys, nk, values, nk, cache_type, mask, (size_t)tokens * slots, out, nq,
+    Status status = make_prefill_job(&job, query, nq, keys, nk, values, nk, key_scales, value_scales,
+                                     (size_t)slots * kv_heads, cache_type, mask, (size_t)tokens * slots, out, nq,
                                      cfg->num_heads, cfg->head_dim, cfg->state);
     return status == STATUS_OK ? compute_prefill(cfg->state, &job) : status;
 }

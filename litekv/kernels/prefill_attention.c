@@ -15,7 +15,8 @@
  * - softmax per row (mask added, so causality and holes need no special case), then the weighted
  *   values, a few rows' sums in registers while each value row is read.
  * An int8 cache's codes and a float16 cache are widened to floats as a block is read; for int8
- * codes the graph folds the scales into the query and the output, as for decode.
+ * codes with static scales the graph folds the scales into the query and the output, as for
+ * decode, and codes with a scale per row are multiplied by it as they are widened.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -57,17 +58,23 @@ size_t prefill_scratch_floats(int heads, int head_dim, int max_slots) {
 
 /* Rows first..first+count-1 of KV head `kv` in a cache as floats, and the stride between them:
  * float rows where they lie, int8 codes or float16 widened into `buffer` [count][D] a row at a
- * time. */
-INLINE const float *cache_rows(const PrefillJob *job, const void *cache, int first, int count, int kv,
-                               float *restrict buffer, size_t *stride) {
+ * time (codes times their row's scale, with `scales` [KVH][slots]). */
+INLINE const float *cache_rows(const PrefillJob *job, const void *cache, const float *scales, int first, int count,
+                               int kv, float *restrict buffer, size_t *stride) {
     const int d = job->head_dim;
     const size_t at = (size_t)first * job->row + (size_t)kv * d;
     if (job->cache_type == CACHE_F32) {
         *stride = (size_t)job->row;
         return (const float *)cache + at;
     }
-    for (int i = 0; i < count; i++)
-        widen(buffer + (size_t)i * d, cache, cache_element_bytes(job->cache_type), at + (size_t)i * job->row, (size_t)d);
+    for (int i = 0; i < count; i++) {
+        float *row = buffer + (size_t)i * d;
+        widen(row, cache, cache_element_bytes(job->cache_type), at + (size_t)i * job->row, (size_t)d);
+        if (scales) {
+            const float scale = scales[(size_t)kv * job->slots + first + i];
+            for (int j = 0; j < d; j++) row[j] *= scale;
+        }
+    }
     *stride = (size_t)d;
     return buffer;
 }
@@ -163,7 +170,7 @@ INLINE float row_numerators(const PrefillJob *job, const Tile *t, int r, float *
         for (int j0 = 0; j0 < n; j0 += BLOCK) {                                                          \
             const int count = n - j0 < BLOCK ? n - j0 : BLOCK;                                           \
             size_t k_stride;                                                                             \
-            const float *k = cache_rows(job, job->keys, t->lo + j0, count, t->kv, widened, &k_stride);   \
+            const float *k = cache_rows(job, job->keys, job->key_scales, t->lo + j0, count, t->kv, widened, &k_stride); \
             for (int c = 0; c < C; c++) {                                                                \
                 v16 block[BLOCK];                                                                        \
                 for (int i = 0; i < BLOCK; i++) block[i] = i < count ? load16(k + i * k_stride + 16 * c) : (v16){0}; \
@@ -186,7 +193,7 @@ INLINE float row_numerators(const PrefillJob *job, const Tile *t, int r, float *
         for (int j0 = 0; j0 < n; j0 += BLOCK) {                                                          \
             const int count = n - j0 < BLOCK ? n - j0 : BLOCK;                                           \
             size_t v_stride;                                                                             \
-            const float *v = cache_rows(job, job->values, t->lo + j0, count, t->kv, widened, &v_stride); \
+            const float *v = cache_rows(job, job->values, job->value_scales, t->lo + j0, count, t->kv, widened, &v_stride); \
             for (int r0 = 0; r0 < t->rows; r0 += PV_ROWS) {                                              \
                 v16 a[PV_ROWS][C];                                                                       \
                 _Pragma("GCC unroll 16") for (int i = 0; i < PV_ROWS; i++)                               \
@@ -224,14 +231,15 @@ INLINE void task_any(const PrefillJob *job, const Tile *t, float *scratch) {
             const size_t k = (size_t)(t->lo + i) * job->row + (size_t)t->kv * d;
             float dot = 0.0f;
             for (int j = 0; j < d; j++) dot += q[j] * element(job->keys, k + j, job->cache_type);
-            scratch[i] = dot;
+            scratch[i] = dot * row_scale(job->key_scales, job->slots, t->kv, t->lo + i);
         }
         const float total = row_numerators(job, t, r, scratch, n), scale = total > 0.0f ? 1.0f / total : 0.0f;
         float *o = out_row(job, t, r);
         memset(o, 0, sizeof(float) * d);
         for (int i = 0; i < n; i++) {
             const size_t v = (size_t)(t->lo + i) * job->row + (size_t)t->kv * d;
-            for (int j = 0; j < d; j++) o[j] += scratch[i] * element(job->values, v + j, job->cache_type);
+            const float w = scratch[i] * row_scale(job->value_scales, job->slots, t->kv, t->lo + i);
+            for (int j = 0; j < d; j++) o[j] += w * element(job->values, v + j, job->cache_type);
         }
         for (int j = 0; j < d; j++) o[j] *= scale;
     }
