@@ -104,10 +104,15 @@ TARGET static inline __attribute__((always_inline)) void score_block(const Job *
         transpose16(col[c]); /* col[c][j] lane r: dimensions 64c + 4j .. 64c + 4j + 3 of slot s0 + r, plus 128 */
     }
     const __mmask16 stored = (__mmask16)((1u << rows) - 1);
-    /* a scale per row (CACHE_I8_ROWS) multiplies each slot's dot product; static scales are in the query */
-    const __m512 row_scale = job->key_scales
-                                 ? _mm512_maskz_loadu_ps(stored, job->key_scales + (size_t)kv * job->scale_stride + s0)
-                                 : _mm512_set1_ps(1.0f);
+    /* a scale per row (CACHE_I8_ROWS, [S][KVH]) multiplies each slot's dot product; static scales are
+     * in the query */
+    const __m512 row_scale =
+        job->key_scales ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), stored,
+                                                   _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                                                        11, 12, 13, 14, 15),
+                                                                      _mm512_set1_epi32(job->kv_heads)),
+                                                   job->key_scales + (size_t)s0 * job->kv_heads + kv, 4)
+                        : _mm512_set1_ps(1.0f);
     for (int g = 0; g < group; g++) {
         const int h = kv * group + g;
         const int8_t *hi = q->hi + (size_t)h * d, *lo = q->lo + (size_t)h * d;
@@ -238,13 +243,14 @@ TARGET void int8_dot_digits(const Job *job, Digits *out) {
  * the weighted values are brought to the same units after the pass (`unit`). */
 TARGET static float row_numerators(const Job *job, const Part *part, const float *sc, float top, int kv, int n,
                                    int16_t *numerators, float *unit) {
-    const float *scales = job->value_scales + (size_t)kv * job->scale_stride + part->lo;
+    const int kvh = job->kv_heads;
+    const float *scales = job->value_scales + (size_t)part->lo * kvh + kv; /* slot i's: scales[i * kvh] */
     float largest = 0.0f, total = 0.0f;
-    for (int i = 0; i < n; i++) largest = scales[i] > largest ? scales[i] : largest;
+    for (int i = 0; i < n; i++) largest = scales[(size_t)i * kvh] > largest ? scales[(size_t)i * kvh] : largest;
     const float step = largest > 0.0f ? NUMERATOR_ONE / largest : 0.0f;
     for (int i = 0; i < n; i++) {
         const float e = exp_nonpositive(sc[i] - top);
-        numerators[i] = (int16_t)(int32_t)(e * scales[i] * step + 0.5f);
+        numerators[i] = (int16_t)(int32_t)(e * scales[(size_t)i * kvh] * step + 0.5f);
         total += e;
     }
     *unit = largest / NUMERATOR_ONE;
