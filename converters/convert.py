@@ -101,6 +101,13 @@ class ConvertOptions:
                                   f"got {b}.")
         if self.kv_cache is not None and self.kv_cache not in KV_CACHE_FORMATS:
             raise ConfigError(f"unknown KV cache format {self.kv_cache!r}; choose one of {', '.join(KV_CACHE_FORMATS)}.")
+        if self.kv_cache == "int8-row":
+            if self.backend != "litert":
+                raise ConfigError("--kv-cache int8-row is a LiteRT format: ONNX Runtime's GroupQueryAttention keeps "
+                                  "its own int8 cache. Use --kv-cache int8 for ONNX.")
+            if "graph" in (self.decode_attention, self.prefill_attention):
+                raise ConfigError("--kv-cache int8-row is read by litekv's attention kernels only; drop "
+                                  "--decode-attention graph / --prefill-attention graph, or use --kv-cache int8.")
         for flag, kind in (("decode", self.decode_attention), ("prefill", self.prefill_attention)):
             if kind is None:
                 continue
@@ -286,7 +293,7 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions = Co
 def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Manifest:
     cfg, plan = ckpt.config, options.plan
     kv_scales = None
-    if options.kv_format == "int8":
+    if options.kv_format == "int8":  # static scales; "int8-row" computes its scales as rows are written
         from .kv_calibration import int8_kv_scales
 
         kv_scales = int8_kv_scales(cfg, ckpt.weights, ckpt.tokenizer, progress=bar.stage("calibrating int8 KV"))
@@ -300,7 +307,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
                              progress=lambda name, n=iter(range(1, len(sigs) + 1)): tick(next(n), len(sigs), name),
                              decode_attention=options.attention_kind,
                              prefill_attention=options.prefill_attention_kind, kv_scales=kv_scales,
-                             kv_dtype=options.kv_dtype)
+                             kv_dtype=options.kv_dtype, kv_row_scales=options.kv_format == "int8-row")
         writer.write(staging / "model.tflite")
         bar.stage("writing model.tflite")(1, 1, f"{writer.data_bytes / 1e6:.0f} MB of weights")
         infos = tuple(SignatureInfo(s.name, "sampler" if s.sampler else ("decode" if s.tokens == 1 and s.logits
@@ -342,7 +349,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
     return Manifest(
         backend=options.backend, model_file=model_file, config=cfg, max_context=options.max_context,
         prefill_lengths=tuple(sorted(set(options.prefill_lengths))), kv_buckets=options.buckets(),
-        kv_layout=layout, kv_dtype=options.kv_dtype,
+        kv_layout=layout, kv_dtype=options.kv_dtype, kv_row_scales=options.kv_format == "int8-row",
         quantization=plan.to_dict(), lora_rank=options.lora_rank,
         lora_targets=tuple(options.lora_targets) if options.lora_rank else (), signatures=infos,
         fingerprint=fingerprint(cfg, ckpt.weights, plan, kv_scales), chat_template=tok.chat_template,
@@ -379,7 +386,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache", choices=KV_CACHE_FORMATS,
                         help="KV cache precision: fp16 reads half the bytes per step, int8 a quarter (default: "
                         "fp32 for ONNX; for LiteRT int8 with --quantize int4 and the decode kernel without "
-                        "--lora-rank, else fp16)")
+                        "--lora-rank, else fp16); int8-row (LiteRT, litekv's kernels): int8 codes with a scale "
+                        "per token and KV head, computed as each row is written, so nothing is calibrated")
     parser.add_argument("--decode-attention", choices=ATTENTION_KINDS,
                         help="LiteRT one-token attention: kernel (default; litekv's compiled custom op, which "
                         "reads the cache once) or graph (builtin ops only, for a runtime without litekv)")

@@ -101,13 +101,15 @@ class TFLiteOps(GraphOps):
     def __init__(self, cfg: ModelConfig, store: TFLiteWeights, sg: SubgraphBuilder, sig: Signature,
                  lora: LoraSpec | None, tables, decode_attention: str = "kernel",
                  kv_scales: tuple[np.ndarray, np.ndarray] | None = None, prefill_attention: str = "kernel",
-                 kv_dtype: str = "float32"):
+                 kv_dtype: str = "float32", kv_row_scales: bool = False):
         super().__init__(cfg, store.weights, store.plan, sig, lora, tables, store.quant_cache)
         self.store = store
         self.decode_attention = decode_attention  # "kernel": litekv's custom op; "graph": builtin ops
         self.prefill_attention = prefill_attention  # the same, for chunks of more than one token
         self.kv_scales = kv_scales  # (keys, values) [layers, KVH, D]: an int8 cache; None: float32 or float16
         self.kv_dtype = "int8" if kv_scales is not None else kv_dtype
+        # int8 codes with a scale per row: computed as each row is written, kept in [1, S, KVH] tensors
+        self.kv_row_scales = kv_row_scales
         self.sg = sg
         self._count = 0
         self.kv_outputs: dict[str, Sym] = {}
@@ -274,6 +276,9 @@ class TFLiteOps(GraphOps):
             for kind in ("k", "v"):
                 name = f"kv_cache_{kind}_{i}"
                 self.kv_inputs[name] = self.input(name, kv_shape, self.kv_dtype)
+                if self.kv_row_scales:
+                    name = f"kv_scale_{kind}_{i}"
+                    self.kv_inputs[name] = self.input(name, (1, s, cfg.num_kv_heads))
         first_pos = self._op("SLICE", [self.positions, self._ints([0]), self._ints([1])], (1,), "int32")
         self.kv_start = self._op("CONCATENATION", [self._ints([0]), first_pos, self._ints([0])], (3,),
                                  "int32", axis=0)
@@ -281,21 +286,21 @@ class TFLiteOps(GraphOps):
     def attention(self, q: Sym, k: Sym, v: Sym, layer: int, window: int | None, scale: float) -> Sym:
         cfg, t, s = self.cfg, self.sig.tokens, self.sig.capacity
         kvh, g, d = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
-        caches = []
+        caches, row_scales = [], []
         for kind, new in (("k", k), ("v", v)):
             name = f"kv_cache_{kind}_{layer}"
+            if self.kv_row_scales:
+                new, scales = self._kv_row_codes(new)
+                row_scales.append(self._write_rows(f"kv_scale_{kind}_{layer}", scales))
             new = self.reshape(new, (1, t, kvh * d))
             if self.kv_scales is not None:
                 new = self._kv_codes(new, kind, layer)
             elif self.kv_dtype == "float16":
                 new = self._op("CAST", [new], new.shape, "float16")
-            cache = self.kv_inputs[name]
-            updated = self._op("DYNAMIC_UPDATE_SLICE", [cache, new, self.kv_start], cache.shape, cache.dtype)
-            self.kv_outputs[name] = updated
-            caches.append(updated)
+            caches.append(self._write_rows(name, new))
         mask = self.local_mask if window is not None else self.mask
         if (self.decode_attention if t == 1 else self.prefill_attention) == "kernel":
-            return self._kernel_attention(q, caches, mask, scale, layer)
+            return self._kernel_attention(q, caches, mask, scale, layer, row_scales)
         if self.kv_scales is not None:  # builtin attention reads float32: a pass over the cache
             caches = [self.binary("mul", self.to_float(c), self._kv_scale(kind, layer))
                       for kind, c in zip(("k", "v"), caches)]
@@ -327,6 +332,28 @@ class TFLiteOps(GraphOps):
         name = f"kv_scale.{kind}.{layer}.{'q' if per_query_head else 'kv'}" + ("" if times == 1.0 else f".x{times:.9g}")
         return self._shared(name, (scales.reshape(-1) * np.float32(times)).astype(np.float32))
 
+    def _write_rows(self, name: str, new: Sym) -> Sym:
+        """The signature's rows written into the bound cache tensor `name` at its first position."""
+        cache = self.kv_inputs[name]
+        updated = self._op("DYNAMIC_UPDATE_SLICE", [cache, new, self.kv_start], cache.shape, cache.dtype)
+        self.kv_outputs[name] = updated
+        return updated
+
+    def _kv_row_codes(self, x: Sym) -> tuple[Sym, Sym]:
+        """New K or V rows [.., T, KVH, D] as int8 codes with a scale per token and KV head, the
+        row's largest |x| over 127 (zero rows get the smallest normal float, not 0): codes
+        [1, T, KVH, D] and scales [1, T, KVH]."""
+        t, kvh, d = self.sig.tokens, self.cfg.num_kv_heads, self.cfg.head_dim
+        x = self.reshape(x, (1, t, kvh, d))
+        largest = self._op("REDUCE_MAX", [self._op("ABS", [x], x.shape), self._ints([3])], (1, t, kvh, 1),
+                           keep_dims=True)
+        largest = self._op("MAXIMUM", [largest, self.const(np.float32(np.finfo(np.float32).tiny))], largest.shape)
+        unit = self._op("DIV", [x, largest], x.shape)  # in [-1, 1]
+        codes = self._op("ROUND", [self.binary("mul", unit, self.const(np.float32(127)))], x.shape)
+        codes = self._op("CAST", [codes], x.shape, "int8")
+        scales = self.binary("mul", self.reshape(largest, (1, t, kvh)), self.const(np.float32(1.0 / 127.0)))
+        return codes, scales
+
     def _kv_codes(self, x: Sym, kind: str, layer: int) -> Sym:
         """int8 codes round(x / scale), clipped to +-127 (a symmetric range, as the calibration assumes)."""
         inverse = 1.0 / self.kv_scales[0 if kind == "k" else 1][layer].reshape(-1)
@@ -336,22 +363,24 @@ class TFLiteOps(GraphOps):
         codes = self._op("MAXIMUM", [codes, self.const(np.float32(-127))], x.shape)
         return self._op("CAST", [codes], x.shape, "int8")
 
-    def _kernel_attention(self, q: Sym, caches: list[Sym], mask: Sym, scale: float, layer: int) -> Sym:
+    def _kernel_attention(self, q: Sym, caches: list[Sym], mask: Sym, scale: float, layer: int,
+                          row_scales: Sequence[Sym] = ()) -> Sym:
         """The signature's tokens in litekv's attention kernels (litekv.native_attention), custom ops
         that read only the live cached rows, in place, where XNNPACK's batch matmuls repack the
         whole capacity: the decode op for one token, the prefill op for a chunk.
 
         With an int8 cache the kernel reads the codes: q . (code_k * s_k) = (q * s_k) . code_k, and
-        sum p * code_v * s_v = s_v * sum p * code_v, so the query and the output carry the scales."""
+        sum p * code_v * s_v = s_v * sum p * code_v, so the query and the output carry the static
+        scales. Scales per row go to the kernel's int8_rows form as two more inputs."""
         t, width = self.sig.tokens, self.cfg.num_heads * self.cfg.head_dim
         q = self.reshape(q, (1, t, width))
-        op = attention_op_name(self.kv_dtype, prefill=t > 1)
+        op = attention_op_name("int8_rows" if self.kv_row_scales else self.kv_dtype, prefill=t > 1)
         if self.kv_scales is None:
             q = self.binary("mul", q, self.const(np.float32(scale)))
         else:
             q = self.binary("mul", q, self._kv_scale("k", layer, True, scale))
         out = self._new((1, t, width))
-        self.sg.custom_op(op, [q.ref, caches[0].ref, caches[1].ref, mask.ref], [out.ref])
+        self.sg.custom_op(op, [q.ref, caches[0].ref, caches[1].ref, mask.ref, *(r.ref for r in row_scales)], [out.ref])
         return out if self.kv_scales is None else self.binary("mul", out, self._kv_scale("v", layer, True))
 
     def _decode_attention(self, q: Sym, caches: list[Sym], mask: Sym, scale: float) -> Sym:
@@ -397,13 +426,16 @@ def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: Quant
                 signatures: Sequence[Signature], lora: LoraSpec | None, max_context: int,
                 progress: Callable[[str], None] | None = None, decode_attention: str = "kernel",
                 kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
-                prefill_attention: str = "kernel", kv_dtype: str = "float32") -> TFLiteModelWriter:
+                prefill_attention: str = "kernel", kv_dtype: str = "float32",
+                kv_row_scales: bool = False) -> TFLiteModelWriter:
     """Trace every signature of the architecture into one TFLite model (not yet written).
 
     decode_attention: "kernel" runs one-token attention in litekv's custom op, "graph" in builtin ops;
     prefill_attention the same for prefill chunks.
     kv_scales: (keys, values) [layers, KVH, D] static scales of an int8 KV cache; None: kv_dtype, float32
-    or float16."""
+    or float16.
+    kv_row_scales: an int8 cache whose codes have a scale per token and KV head, computed as rows are
+    written (needs litekv's attention kernel)."""
     weights = dict(weights)
     weights.setdefault("lm_head.weight", weights["embed.weight"])
     writer = TFLiteModelWriter(description=f"litekv {cfg.architecture}")
@@ -413,7 +445,7 @@ def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: Quant
     groups = {}
     for sig in signatures:
         ops = TFLiteOps(cfg, store, writer.add_signature(sig.name), sig, lora, tables, decode_attention, kv_scales,
-                        prefill_attention, kv_dtype)
+                        prefill_attention, kv_dtype, kv_row_scales)
         if sig.sampler:
             ops.sampler()
         else:

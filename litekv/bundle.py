@@ -23,15 +23,17 @@ FORMAT = "litekv-bundle"
 # 6: `prefill_attention` (TFLite prefill chunks may attend in litekv's custom op, at one capacity).
 # Versions before 6 read as "graph".
 # 7: the KV cache may be float16 (`kv_dtype`), read by the kernels' f16 forms (ONNX: GroupQueryAttention in float16).
-VERSION = 7
-READABLE_VERSIONS = (3, 4, 5, 6, 7)
+# 8: a TFLite int8 KV cache may have a scale per row (`kv_row_scales`), read by the kernels' int8_rows forms.
+VERSION = 8
+READABLE_VERSIONS = (3, 4, 5, 6, 7, 8)
 ATTENTION_KINDS = ("kernel", "graph")
 SAMPLER_SIGNATURE = "sampler"
 # The sampler graph's scalar inputs, each of shape [1], in order: (name, dtype).
 SAMPLER_INPUTS = (("temperature", "float32"), ("top_k", "int32"), ("top_p", "float32"), ("seed", "int32"))
 BACKENDS = ("litert", "onnx")
-# --kv-cache format -> the cache tensors' dtype (Manifest.kv_dtype)
-KV_CACHE_DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "int8"}
+# --kv-cache format -> the cache tensors' dtype (Manifest.kv_dtype). "int8-row": int8 codes with a
+# float32 scale per token and KV head beside them (Manifest.kv_row_scales), LiteRT with litekv's kernels.
+KV_CACHE_DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "int8", "int8-row": "int8"}
 KV_CACHE_FORMATS = tuple(KV_CACHE_DTYPES)
 
 
@@ -79,6 +81,8 @@ class Manifest:
     # custom ops) or "graph" (builtin ops)
     decode_attention: str = "graph"
     prefill_attention: str = "graph"
+    # int8 cache codes with a scale per token and KV head (tensors kv_scale_<k|v>_<layer>, [1, S, KVH])
+    kv_row_scales: bool = False
 
     @property
     def uses_attention_kernel(self) -> bool:
@@ -124,6 +128,11 @@ class Manifest:
                 raise BundleError(f"{where}: unknown {key} {getattr(manifest, key)!r}; reconvert the model.")
         if manifest.kv_dtype not in KV_CACHE_DTYPES.values():
             raise BundleError(f"{where}: unknown KV cache dtype {manifest.kv_dtype!r}; reconvert the model.")
+        if manifest.kv_row_scales and (manifest.kv_dtype != "int8" or manifest.backend != "litert"
+                                       or manifest.decode_attention != "kernel"
+                                       or manifest.prefill_attention != "kernel"):
+            raise BundleError(f"{where}: a KV cache with row scales must be int8 on LiteRT with litekv's attention "
+                              "kernels; reconvert the model.")
         return manifest
 
 

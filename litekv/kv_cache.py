@@ -4,6 +4,10 @@ Executors are stateless; everything a sequence has seen lives here. Buffers use 
 backend's kernels read (`BSHD` = [batch, slot, kv_head, dim] for TFLite, `BHSD` for ONNX
 GroupQueryAttention); everything public (views, serialization, copies between caches) speaks the
 canonical [batch, token, kv_head, dim] order, so a cache moves between backends.
+
+An int8 cache either holds codes of static scales that the model carries, or (`row_scales`) codes
+with a float32 scale per token and KV head, kept beside them in [batch, slot, kv_head] buffers
+that every copy, view and serialization carries along.
 """
 from __future__ import annotations
 
@@ -27,12 +31,15 @@ ALIGNMENT = 64  # LiteRT binds host memory zero-copy only when 64-byte aligned
 MMAP_MIN_BYTES = 1 << 18
 FORMAT_VERSION = 1
 IDENTIFIER = b"LKVC"
-# Field order = vtable slots of litekv/schema/kv_cache.fbs.
+# Field order = vtable slots of litekv/schema/kv_cache.fbs. The row scales' slots came last, so
+# files written before them read as caches without row scales.
 SCHEMA = (
     ("version", "uint32"), ("layout", "string"), ("dtype", "string"), ("num_layers", "uint32"),
     ("batch_size", "uint32"), ("num_kv_heads", "uint32"), ("head_dim", "uint32"), ("num_tokens", "uint32"),
     ("capacity", "uint32"), ("keys", "bytes"), ("values", "bytes"), ("checksum", "uint64"),
+    ("row_scales", "uint32"), ("key_scales", "bytes"), ("value_scales", "bytes"),
 )
+_DATA = ("keys", "values", "checksum", "row_scales", "key_scales", "value_scales")  # not in the checksummed header
 _ids = itertools.count(1)
 
 
@@ -76,6 +83,9 @@ class _Storage:
     # Backend-owned bindings of these buffers (valid for the storage's lifetime: arrays never move).
     bindings: dict[Any, Any] = field(default_factory=dict)
     pooled: bool = False  # a backend keeps these buffers alive after the cache dies (see LiteRT executor)
+    # int8 codes with a scale per row: per layer [batch, slot, kv_head] float32; else None
+    key_scales: list[np.ndarray] | None = None
+    value_scales: list[np.ndarray] | None = None
 
 
 class KVCache:
@@ -92,21 +102,28 @@ class KVCache:
 
     @classmethod
     def allocate(cls, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 layout: str = "BSHD", dtype: str = "float32") -> "KVCache":
+                 layout: str = "BSHD", dtype: str = "float32", row_scales: bool = False) -> "KVCache":
+        """row_scales: int8 codes with a scale per token and KV head (BSHD only)."""
         if layout not in LAYOUTS:
             raise ConfigError(f"unknown KV layout {layout!r}; choose one of {LAYOUTS}.")
         if min(num_layers, batch_size, num_kv_heads, head_dim, capacity) <= 0:
             raise ConfigError("KV cache dimensions and batch size must be positive.")
+        if row_scales and (np.dtype(dtype) != np.int8 or layout != "BSHD"):
+            raise ConfigError(f"scales per row go with an int8 cache in BSHD layout, not {dtype} in {layout}.")
         shape = ((batch_size, capacity, num_kv_heads, head_dim) if layout == "BSHD"
                  else (batch_size, num_kv_heads, capacity, head_dim))
+        scales = (lambda: [aligned_zeros(shape[:3]) for _ in range(num_layers)]) if row_scales else (lambda: None)
         return cls(_Storage([aligned_zeros(shape, dtype) for _ in range(num_layers)],
-                            [aligned_zeros(shape, dtype) for _ in range(num_layers)], layout, next(_ids)))
+                            [aligned_zeros(shape, dtype) for _ in range(num_layers)], layout, next(_ids),
+                            key_scales=scales(), value_scales=scales()))
 
     @classmethod
     def from_buffers(cls, keys: list[np.ndarray], values: list[np.ndarray], layout: str,
-                     bindings: dict[Any, Any] | None = None) -> "KVCache":
+                     bindings: dict[Any, Any] | None = None, key_scales: list[np.ndarray] | None = None,
+                     value_scales: list[np.ndarray] | None = None) -> "KVCache":
         """A new, empty cache over existing buffers (recycled by a backend's memory pool)."""
-        return cls(_Storage(keys, values, layout, next(_ids), bindings=bindings or {}))
+        return cls(_Storage(keys, values, layout, next(_ids), bindings=bindings or {}, key_scales=key_scales,
+                            value_scales=value_scales))
 
     # ---- shape ------------------------------------------------------------------------------------
     @property
@@ -138,6 +155,11 @@ class KVCache:
         return self._s.keys[0].dtype
 
     @property
+    def row_scales(self) -> bool:
+        """Whether the int8 codes have a scale per token and KV head (`key_scales(l)`)."""
+        return self._s.key_scales is not None
+
+    @property
     def num_tokens(self) -> int:
         return self._s.num_tokens
 
@@ -159,6 +181,8 @@ class KVCache:
         self._s.released = True
         self._s.bindings.clear()
         self._s.keys, self._s.values = [], []
+        if self._s.key_scales is not None:
+            self._s.key_scales, self._s.value_scales = [], []
 
     # ---- access -----------------------------------------------------------------------------------
     def key_cache(self, layer: int) -> np.ndarray:
@@ -166,6 +190,35 @@ class KVCache:
 
     def value_cache(self, layer: int) -> np.ndarray:
         return self._valid_view(self._s.values[layer])
+
+    def key_scales(self, layer: int) -> np.ndarray:
+        """The valid tokens' row scales [batch, num_tokens, num_kv_heads] of a cache with
+        `row_scales`: key_cache(l) * key_scales(l)[..., None] is the keys."""
+        return self._valid_scales(self._s.key_scales, layer)
+
+    def value_scales(self, layer: int) -> np.ndarray:
+        return self._valid_scales(self._s.value_scales, layer)
+
+    def _valid_scales(self, scales: list[np.ndarray] | None, layer: int) -> np.ndarray:
+        self._check_valid()
+        if scales is None:
+            raise KVCacheError("this cache has no scales per row: its codes use the model's static scales.")
+        view = scales[layer][:, :self.num_tokens].view()
+        view.flags.writeable = False
+        return view
+
+    def raw_key_scales(self, layer: int) -> np.ndarray:
+        """The whole row-scale buffer [batch, slot, kv_head], for executors (writable)."""
+        self._check_valid()
+        return self._s.key_scales[layer]
+
+    def raw_value_scales(self, layer: int) -> np.ndarray:
+        self._check_valid()
+        return self._s.value_scales[layer]
+
+    def _buffer_lists(self) -> list[list[np.ndarray]]:
+        """Keys, values and (with row scales) their scales: what copies and serialization carry."""
+        return [self._s.keys, self._s.values] + ([self._s.key_scales, self._s.value_scales] if self.row_scales else [])
 
     def raw_keys(self, layer: int) -> np.ndarray:
         """The whole buffer in backend layout, for executors (writable)."""
@@ -204,7 +257,7 @@ class KVCache:
     # ---- stats and paging metadata ----------------------------------------------------------------
     def stats(self) -> KVCacheStats:
         self._check_valid()
-        memory = sum(a.nbytes for a in self._s.keys) + sum(a.nbytes for a in self._s.values)
+        memory = sum(a.nbytes for buffers in self._buffer_lists() for a in buffers)
         return KVCacheStats(memory, self.num_tokens, self.num_entries, self.num_tokens / self.num_entries,
                             self._s.last_access)
 
@@ -221,10 +274,11 @@ class KVCache:
     def _check_compatible(self, other: "KVCache") -> None:
         self._check_valid()
         other._check_valid()
-        mine = (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
-        theirs = (other.num_layers, other.num_kv_heads, other.head_dim, other.dtype)
+        mine = (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.row_scales)
+        theirs = (other.num_layers, other.num_kv_heads, other.head_dim, other.dtype, other.row_scales)
         if mine != theirs:
-            raise KVCacheError(f"caches do not match: (layers, kv heads, head dim, dtype) {mine} vs {theirs}.")
+            raise KVCacheError(f"caches do not match: (layers, kv heads, head dim, dtype, row scales) {mine} vs "
+                               f"{theirs}.")
         if other.num_tokens > self.num_entries:
             raise KVCacheError(f"{other.num_tokens} tokens do not fit a cache of {self.num_entries} entries.")
 
@@ -234,7 +288,7 @@ class KVCache:
         if not 0 <= batch_index < other.batch_size:
             raise KVCacheError(f"batch index {batch_index} is outside 0..{other.batch_size - 1}.")
         n = other.num_tokens
-        for mine, theirs in ((self._s.keys, other._s.keys), (self._s.values, other._s.values)):
+        for mine, theirs in zip(self._buffer_lists(), other._buffer_lists()):
             for dst, src in zip(mine, theirs):
                 self._canonical(dst, 0, n)[...] = other._canonical(src, batch_index, n)
         self.set_num_tokens(n)
@@ -243,7 +297,7 @@ class KVCache:
         """other[0] -> every batch row of this cache (valid tokens only)."""
         self._check_compatible(other)
         n = other.num_tokens
-        for mine, theirs in ((self._s.keys, other._s.keys), (self._s.values, other._s.values)):
+        for mine, theirs in zip(self._buffer_lists(), other._buffer_lists()):
             for dst, src in zip(mine, theirs):
                 self._canonical(dst, slice(None), n)[...] = other._canonical(src, slice(0, 1), n)
         self.set_num_tokens(n)
@@ -252,9 +306,10 @@ class KVCache:
         """An independent cache with the same contents (a new cache_id)."""
         self._check_valid()
         copy = KVCache.allocate(self.num_layers, self.batch_size, self.num_kv_heads, self.head_dim,
-                                self.num_entries, self.layout, self.dtype)
-        for dst, src in zip(copy._s.keys + copy._s.values, self._s.keys + self._s.values):
-            np.copyto(dst, src)
+                                self.num_entries, self.layout, self.dtype, self.row_scales)
+        for mine, theirs in zip(copy._buffer_lists(), self._buffer_lists()):
+            for dst, src in zip(mine, theirs):
+                np.copyto(dst, src)
         copy.set_num_tokens(self.num_tokens)
         return copy
 
@@ -274,8 +329,15 @@ class KVCache:
                       batch_size=self.batch_size, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                       num_tokens=n, capacity=self.num_entries)
         raw_keys, raw_values = keys.view(np.uint8).reshape(-1), values.view(np.uint8).reshape(-1)
-        return build(SCHEMA, {**header, "keys": raw_keys, "values": raw_values,
-                              "checksum": _checksum(header, raw_keys, raw_values)}, IDENTIFIER)
+        scales = {}
+        if self.row_scales:
+            scales = {name: (np.stack([self._canonical(b, slice(None), n) for b in buffers]) if n
+                             else np.zeros(0, np.float32)).view(np.uint8).reshape(-1)
+                      for name, buffers in (("key_scales", self._s.key_scales), ("value_scales", self._s.value_scales))}
+            scales["row_scales"] = 1
+        checksum = _checksum(header, raw_keys, raw_values, scales.get("key_scales"), scales.get("value_scales"))
+        return build(SCHEMA, {**header, "keys": raw_keys, "values": raw_values, "checksum": checksum, **scales},
+                     IDENTIFIER)
 
     def load(self, data: bytes) -> None:
         """Restore a serialized cache. Everything is checked first: on error this cache is unchanged."""
@@ -287,17 +349,22 @@ class KVCache:
         if fields["version"] != FORMAT_VERSION:
             raise KVCacheError(f"serialized KV cache has format version {fields['version']}; this litekv reads "
                                f"version {FORMAT_VERSION}.")
-        header = {k: fields[k] for k, _ in SCHEMA if k not in ("keys", "values", "checksum")}
+        header = {k: fields[k] for k, _ in SCHEMA if k not in _DATA}
         if None in header.values() or fields["keys"] is None or fields["values"] is None:
             raise KVCacheError("serialized KV cache is missing fields.")
-        if _checksum(header, fields["keys"], fields["values"]) != fields["checksum"]:
+        row_scales = bool(fields["row_scales"])
+        if row_scales and (fields["key_scales"] is None or fields["value_scales"] is None):
+            raise KVCacheError("serialized KV cache is missing its row scales.")
+        if _checksum(header, fields["keys"], fields["values"], fields["key_scales"] if row_scales else None,
+                     fields["value_scales"] if row_scales else None) != fields["checksum"]:
             raise KVCacheError("serialized KV cache failed its checksum: the data is corrupted.")
         expected = dict(num_layers=self.num_layers, batch_size=self.batch_size, num_kv_heads=self.num_kv_heads,
-                        head_dim=self.head_dim, dtype=str(self.dtype))
-        mismatched = {k: (header[k], v) for k, v in expected.items() if header[k] != v}
+                        head_dim=self.head_dim, dtype=str(self.dtype), row_scales=self.row_scales)
+        mismatched = {k: ({**header, "row_scales": row_scales}[k], v) for k, v in expected.items()
+                      if {**header, "row_scales": row_scales}[k] != v}
         if mismatched:
             hint = (" The bundles' KV cache formats differ: load it into one converted with the same --kv-cache."
-                    if "dtype" in mismatched else "")
+                    if "dtype" in mismatched or "row_scales" in mismatched else "")
             raise KVCacheError(f"serialized KV cache does not fit this cache (saved, here): {mismatched}.{hint}")
         n = header["num_tokens"]
         if n > self.num_entries:
@@ -306,11 +373,14 @@ class KVCache:
         size = int(np.prod(shape)) * self.dtype.itemsize
         if fields["keys"].size != size or fields["values"].size != size:
             raise KVCacheError("serialized KV cache has data of the wrong size.")
-        keys = fields["keys"].view(self.dtype).reshape(shape)
-        values = fields["values"].view(self.dtype).reshape(shape)
-        for layer in range(self.num_layers):
-            self._canonical(self._s.keys[layer], slice(None), n)[...] = keys[layer]
-            self._canonical(self._s.values[layer], slice(None), n)[...] = values[layer]
+        if row_scales and any(fields[k].size != size // self.head_dim * 4 for k in ("key_scales", "value_scales")):
+            raise KVCacheError("serialized KV cache has row scales of the wrong size.")
+        arrays = [fields["keys"].view(self.dtype).reshape(shape), fields["values"].view(self.dtype).reshape(shape)]
+        if row_scales:
+            arrays += [fields[k].view(np.float32).reshape(shape[:-1]) for k in ("key_scales", "value_scales")]
+        for buffers, saved in zip(self._buffer_lists(), arrays):
+            for layer in range(self.num_layers):
+                self._canonical(buffers[layer], slice(None), n)[...] = saved[layer]
         self.set_num_tokens(n)
 
     def __repr__(self) -> str:
@@ -318,8 +388,11 @@ class KVCache:
                 f"tokens={self.num_tokens}/{self.num_entries}, layout={self.layout})")
 
 
-def _checksum(header: dict[str, Any], keys: np.ndarray, values: np.ndarray) -> int:
-    """CRC-32 of the header fields and data: detects damage at several GB/s (not tampering)."""
+def _checksum(header: dict[str, Any], *data: np.ndarray | None) -> int:
+    """CRC-32 of the header fields and data (None: absent, as row scales are without them):
+    detects damage at several GB/s (not tampering)."""
     crc = zlib.crc32(repr(sorted(header.items())).encode())
-    crc = zlib.crc32(memoryview(np.ascontiguousarray(keys)), crc)
-    return zlib.crc32(memoryview(np.ascontiguousarray(values)), crc)
+    for array in data:
+        if array is not None:
+            crc = zlib.crc32(memoryview(np.ascontiguousarray(array)), crc)
+    return crc

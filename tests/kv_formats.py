@@ -44,9 +44,9 @@ def assert_steps_follow_reference(ex, ref, tolerance: float, steps: int = 8) -> 
         token = int(np.argmax(exact))
 
 
-def caches_after_a_prompt(ex, ref, dtype):
-    """Each layer's (kind, our cache, the reference's) after the same 12-token prefill (8 + 4
-    chunks) and one step, our cache checked to hold `dtype` and 13 tokens."""
+def prompted_caches(ex, ref, dtype):
+    """(our cache, the reference's) after the same 12-token prefill (8 + 4 chunks) and one step,
+    ours checked to hold `dtype` and 13 tokens."""
     prompt = np.random.default_rng(3).integers(3, ex.config.vocab_size, 13)
     ours, theirs = ex.create_kv_cache(), ref.create_kv_cache()
     ex.prefill(prompt[:-1], ours)
@@ -54,6 +54,12 @@ def caches_after_a_prompt(ex, ref, dtype):
     ex.step([prompt[-1]], ours)
     ref.step([prompt[-1]], theirs)
     assert ours.dtype == dtype and ours.num_tokens == 13
+    return ours, theirs
+
+
+def caches_after_a_prompt(ex, ref, dtype):
+    """Each layer's (kind, our cache, the reference's) after prompted_caches."""
+    ours, theirs = prompted_caches(ex, ref, dtype)
     for layer in range(ex.config.num_layers):
         yield layer, "k", ours.key_cache(layer), theirs.key_cache(layer)
         yield layer, "v", ours.value_cache(layer), theirs.value_cache(layer)

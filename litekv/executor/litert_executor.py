@@ -127,16 +127,19 @@ class _KVMemoryPool:
         storage = kv_cache._s
         if not storage.pooled:
             storage.pooled = True
-            weakref.finalize(storage, self._recycle, storage.keys, storage.values, storage.bindings)
+            weakref.finalize(storage, self._recycle, storage.keys, storage.values, storage.bindings,
+                             storage.key_scales, storage.value_scales)
 
-    def _recycle(self, keys, values, bindings) -> None:
+    def _recycle(self, keys, values, bindings, key_scales, value_scales) -> None:
         if keys:  # a released cache gave its lists up already
             with self._lock:
-                self._free.setdefault((keys[0].shape, keys[0].dtype), []).append((keys, values, bindings))
+                self._free.setdefault((keys[0].shape, keys[0].dtype, key_scales is not None), []).append(
+                    (keys, values, bindings, key_scales, value_scales))
 
-    def take(self, shape: tuple, dtype: np.dtype) -> tuple | None:
+    def take(self, shape: tuple, dtype: np.dtype, row_scales: bool) -> tuple | None:
+        """(keys, values, bindings, key scales, value scales) of a dead cache of this form, or None."""
         with self._lock:
-            free = self._free.get((shape, dtype))
+            free = self._free.get((shape, dtype, row_scales))
             return free.pop() if free else None
 
 
@@ -224,13 +227,14 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
 
     def create_kv_cache(self, batch_size: int = 1) -> KVCache:
         cfg = self.config
-        dtype = np.dtype(self.manifest.kv_dtype)
-        recycled = self._pool.take((batch_size, self.max_context, cfg.num_kv_heads, cfg.head_dim), dtype)
+        dtype, row_scales = np.dtype(self.manifest.kv_dtype), self.manifest.kv_row_scales
+        recycled = self._pool.take((batch_size, self.max_context, cfg.num_kv_heads, cfg.head_dim), dtype, row_scales)
         if recycled is not None:
-            cache = KVCache.from_buffers(*recycled[:2], "BSHD", recycled[2])
+            keys, values, bindings, key_scales, value_scales = recycled
+            cache = KVCache.from_buffers(keys, values, "BSHD", bindings, key_scales, value_scales)
         else:
             cache = KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, self.max_context,
-                                     "BSHD", self.manifest.kv_dtype)
+                                     "BSHD", self.manifest.kv_dtype, row_scales)
         self._pool.adopt(cache)
         return cache
 
@@ -257,6 +261,9 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
                     # The model's cache tensors are [1,S,KVH*D]: the same memory seen as rows.
                     buffers[f"kv_cache_{kind}_{layer}"] = HostTensorBuffer(
                         raw[row:row + 1, :capacity].reshape(1, capacity, -1))
+                if kv_cache.row_scales:  # [1, S, KVH]: a bucket's slots are a prefix, as for the codes
+                    for kind, raw in (("k", kv_cache.raw_key_scales(layer)), ("v", kv_cache.raw_value_scales(layer))):
+                        buffers[f"kv_scale_{kind}_{layer}"] = HostTensorBuffer(raw[row:row + 1, :capacity])
             kv_cache.bindings[key] = buffers
         return kv_cache.bindings[key]
 
