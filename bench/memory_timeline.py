@@ -16,7 +16,7 @@ import collections
 import numpy as np
 
 from common import markdown_table, save, smollm2_bundle
-from litekv.bundle import read_manifest
+from litekv.bundle import KV_CACHE_FORMATS, read_manifest
 from litekv.resident_pages import mappings
 
 
@@ -39,7 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=("litert", "onnx"), default="litert")
     parser.add_argument("--quantize", choices=("fp32", "int8", "int4"), default="fp32")
-    parser.add_argument("--kv-cache", choices=("fp32", "fp16", "int8"), default=None,
+    parser.add_argument("--kv-cache", choices=KV_CACHE_FORMATS, default=None,
                         help="KV cache precision (default: the converter's: fp32 on ONNX; on LiteRT int8 with "
                         "int4 weights, else fp16)")
     parser.add_argument("--threads", type=int, default=2)

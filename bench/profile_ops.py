@@ -22,7 +22,7 @@ import numpy as np
 
 from common import markdown_table, smollm2_bundle
 from litekv import litert_capi
-from litekv.bundle import read_manifest
+from litekv.bundle import KV_CACHE_FORMATS, read_manifest
 from litekv.executor import open_executor
 
 
@@ -119,7 +119,7 @@ def main() -> None:
     parser.add_argument("--live", type=int, default=256, help="tokens the profiled step attends over")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--kv-cache", choices=("fp32", "fp16", "int8"), default=None,
+    parser.add_argument("--kv-cache", choices=KV_CACHE_FORMATS, default=None,
                         help="KV cache precision (default: the converter's: fp32 on ONNX; on LiteRT int8 with "
                         "int4 weights, else fp16)")
     parser.add_argument("--backend", choices=("litert", "onnx", "both"), default="both")

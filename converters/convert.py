@@ -108,6 +108,9 @@ class ConvertOptions:
             if "graph" in (self.decode_attention, self.prefill_attention):
                 raise ConfigError("--kv-cache int8-row is read by litekv's attention kernels only; drop "
                                   "--decode-attention graph / --prefill-attention graph, or use --kv-cache int8.")
+            if self.kv_buckets is not None or self.decode_buckets is not None:
+                raise ConfigError("--kv-cache int8-row bundles have one capacity, the max context: litekv's kernels "
+                                  "read only the live slots. Drop --kv-buckets / --decode-buckets.")
         for flag, kind in (("decode", self.decode_attention), ("prefill", self.prefill_attention)):
             if kind is None:
                 continue

@@ -276,12 +276,14 @@ class TFLiteOps(GraphOps):
             for kind in ("k", "v"):
                 name = f"kv_cache_{kind}_{i}"
                 self.kv_inputs[name] = self.input(name, kv_shape, self.kv_dtype)
-                if self.kv_row_scales:
+                if self.kv_row_scales:  # [1, KVH, S]: each KV head's scales contiguous, as the kernels read them
                     name = f"kv_scale_{kind}_{i}"
-                    self.kv_inputs[name] = self.input(name, (1, s, cfg.num_kv_heads))
+                    self.kv_inputs[name] = self.input(name, (1, cfg.num_kv_heads, s))
         first_pos = self._op("SLICE", [self.positions, self._ints([0]), self._ints([1])], (1,), "int32")
         self.kv_start = self._op("CONCATENATION", [self._ints([0]), first_pos, self._ints([0])], (3,),
                                  "int32", axis=0)
+        if self.kv_row_scales:
+            self.kv_scale_start = self._op("CONCATENATION", [self._ints([0, 0]), first_pos], (3,), "int32", axis=0)
 
     def attention(self, q: Sym, k: Sym, v: Sym, layer: int, window: int | None, scale: float) -> Sym:
         cfg, t, s = self.cfg, self.sig.tokens, self.sig.capacity
@@ -291,7 +293,7 @@ class TFLiteOps(GraphOps):
             name = f"kv_cache_{kind}_{layer}"
             if self.kv_row_scales:
                 new, scales = self._kv_row_codes(new)
-                row_scales.append(self._write_rows(f"kv_scale_{kind}_{layer}", scales))
+                row_scales.append(self._write_rows(f"kv_scale_{kind}_{layer}", scales, self.kv_scale_start))
             new = self.reshape(new, (1, t, kvh * d))
             if self.kv_scales is not None:
                 new = self._kv_codes(new, kind, layer)
@@ -332,17 +334,18 @@ class TFLiteOps(GraphOps):
         name = f"kv_scale.{kind}.{layer}.{'q' if per_query_head else 'kv'}" + ("" if times == 1.0 else f".x{times:.9g}")
         return self._shared(name, (scales.reshape(-1) * np.float32(times)).astype(np.float32))
 
-    def _write_rows(self, name: str, new: Sym) -> Sym:
-        """The signature's rows written into the bound cache tensor `name` at its first position."""
+    def _write_rows(self, name: str, new: Sym, start: Sym | None = None) -> Sym:
+        """The signature's rows written into the bound cache tensor `name` at `start` (the first
+        position's slot)."""
         cache = self.kv_inputs[name]
-        updated = self._op("DYNAMIC_UPDATE_SLICE", [cache, new, self.kv_start], cache.shape, cache.dtype)
+        updated = self._op("DYNAMIC_UPDATE_SLICE", [cache, new, start or self.kv_start], cache.shape, cache.dtype)
         self.kv_outputs[name] = updated
         return updated
 
     def _kv_row_codes(self, x: Sym) -> tuple[Sym, Sym]:
         """New K or V rows [.., T, KVH, D] as int8 codes with a scale per token and KV head, the
         row's largest |x| over 127 (zero rows get the smallest normal float, not 0): codes
-        [1, T, KVH, D] and scales [1, T, KVH]."""
+        [1, T, KVH, D] and scales [1, KVH, T]."""
         t, kvh, d = self.sig.tokens, self.cfg.num_kv_heads, self.cfg.head_dim
         x = self.reshape(x, (1, t, kvh, d))
         largest = self._op("REDUCE_MAX", [self._op("ABS", [x], x.shape), self._ints([3])], (1, t, kvh, 1),
@@ -351,7 +354,9 @@ class TFLiteOps(GraphOps):
         unit = self._op("DIV", [x, largest], x.shape)  # in [-1, 1]
         codes = self._op("ROUND", [self.binary("mul", unit, self.const(np.float32(127)))], x.shape)
         codes = self._op("CAST", [codes], x.shape, "int8")
-        scales = self.binary("mul", self.reshape(largest, (1, t, kvh)), self.const(np.float32(1.0 / 127.0)))
+        scales = self.binary("mul", largest, self.const(np.float32(1.0 / 127.0)))
+        scales = self.reshape(scales, (1, kvh, 1)) if t == 1 else \
+            self.transpose(self.reshape(scales, (1, t, kvh)), (0, 2, 1))
         return codes, scales
 
     def _kv_codes(self, x: Sym, kind: str, layer: int) -> Sym:

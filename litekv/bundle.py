@@ -130,9 +130,10 @@ class Manifest:
             raise BundleError(f"{where}: unknown KV cache dtype {manifest.kv_dtype!r}; reconvert the model.")
         if manifest.kv_row_scales and (manifest.kv_dtype != "int8" or manifest.backend != "litert"
                                        or manifest.decode_attention != "kernel"
-                                       or manifest.prefill_attention != "kernel"):
+                                       or manifest.prefill_attention != "kernel"
+                                       or manifest.kv_buckets != (manifest.max_context,)):
             raise BundleError(f"{where}: a KV cache with row scales must be int8 on LiteRT with litekv's attention "
-                              "kernels; reconvert the model.")
+                              "kernels, at one capacity; reconvert the model.")
         return manifest
 
 

@@ -6,8 +6,9 @@ GroupQueryAttention); everything public (views, serialization, copies between ca
 canonical [batch, token, kv_head, dim] order, so a cache moves between backends.
 
 An int8 cache either holds codes of static scales that the model carries, or (`row_scales`) codes
-with a float32 scale per token and KV head, kept beside them in [batch, slot, kv_head] buffers
-that every copy, view and serialization carries along.
+with a float32 scale per token and KV head, kept beside them in [batch, kv_head, slot] buffers (as
+the kernels read them) that every copy, view and serialization carries along, in the canonical
+[batch, token, kv_head] order outside.
 """
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ class _Storage:
     # Backend-owned bindings of these buffers (valid for the storage's lifetime: arrays never move).
     bindings: dict[Any, Any] = field(default_factory=dict)
     pooled: bool = False  # a backend keeps these buffers alive after the cache dies (see LiteRT executor)
-    # int8 codes with a scale per row: per layer [batch, slot, kv_head] float32; else None
+    # int8 codes with a scale per row: per layer [batch, kv_head, slot] float32; else None
     key_scales: list[np.ndarray] | None = None
     value_scales: list[np.ndarray] | None = None
 
@@ -112,7 +113,8 @@ class KVCache:
             raise ConfigError(f"scales per row go with an int8 cache in BSHD layout, not {dtype} in {layout}.")
         shape = ((batch_size, capacity, num_kv_heads, head_dim) if layout == "BSHD"
                  else (batch_size, num_kv_heads, capacity, head_dim))
-        scales = (lambda: [aligned_zeros(shape[:3]) for _ in range(num_layers)]) if row_scales else (lambda: None)
+        scales_shape = (batch_size, num_kv_heads, capacity)
+        scales = (lambda: [aligned_zeros(scales_shape) for _ in range(num_layers)]) if row_scales else (lambda: None)
         return cls(_Storage([aligned_zeros(shape, dtype) for _ in range(num_layers)],
                             [aligned_zeros(shape, dtype) for _ in range(num_layers)], layout, next(_ids),
                             key_scales=scales(), value_scales=scales()))
@@ -203,12 +205,12 @@ class KVCache:
         self._check_valid()
         if scales is None:
             raise KVCacheError("this cache has no scales per row: its codes use the model's static scales.")
-        view = scales[layer][:, :self.num_tokens].view()
+        view = scales[layer][:, :, :self.num_tokens].transpose(0, 2, 1)
         view.flags.writeable = False
         return view
 
     def raw_key_scales(self, layer: int) -> np.ndarray:
-        """The whole row-scale buffer [batch, slot, kv_head], for executors (writable)."""
+        """The whole row-scale buffer [batch, kv_head, slot], for executors (writable)."""
         self._check_valid()
         return self._s.key_scales[layer]
 
@@ -247,7 +249,10 @@ class KVCache:
         return view
 
     def _canonical(self, buf: np.ndarray, rows: slice | int, n: int) -> np.ndarray:
-        """Writable canonical view [rows, n, KVH, D] into a buffer of this cache."""
+        """Writable canonical view [rows, n, KVH, D] into a buffer of this cache ([rows, n, KVH] into
+        a row-scale buffer)."""
+        if buf.ndim == 3:  # row scales [batch, kv_head, slot]
+            return buf[rows, :, :n].swapaxes(-2, -1)
         return buf[rows, :n] if self.layout == "BSHD" else buf[rows, :, :n].swapaxes(-3, -2)
 
     def _check_valid(self) -> None:
@@ -331,8 +336,8 @@ class KVCache:
         raw_keys, raw_values = keys.view(np.uint8).reshape(-1), values.view(np.uint8).reshape(-1)
         scales = {}
         if self.row_scales:
-            scales = {name: (np.stack([self._canonical(b, slice(None), n) for b in buffers]) if n
-                             else np.zeros(0, np.float32)).view(np.uint8).reshape(-1)
+            scales = {name: np.ascontiguousarray(np.stack([self._canonical(b, slice(None), n) for b in buffers]) if n
+                                                 else np.zeros(0, np.float32)).view(np.uint8).reshape(-1)
                       for name, buffers in (("key_scales", self._s.key_scales), ("value_scales", self._s.value_scales))}
             scales["row_scales"] = 1
         checksum = _checksum(header, raw_keys, raw_values, scales.get("key_scales"), scales.get("value_scales"))

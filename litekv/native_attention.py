@@ -26,7 +26,7 @@ OP_NAME_F16 = "litekv.decode_attention_f16"  # float16 keys and values
 PREFILL_OP_NAME = "litekv.prefill_attention"
 PREFILL_OP_NAME_INT8 = "litekv.prefill_attention_int8"
 PREFILL_OP_NAME_F16 = "litekv.prefill_attention_f16"
-# int8 codes with a float32 scale per slot and KV head, for keys and values ([S, KVH] each)
+# int8 codes with a float32 scale per slot and KV head, for keys and values ([KVH, S] each)
 OP_NAME_INT8_ROWS = "litekv.decode_attention_int8_rows"
 PREFILL_OP_NAME_INT8_ROWS = "litekv.prefill_attention_int8_rows"
 # The cache formats the kernels read, in the order of attention_common.h's CacheType, and the
@@ -214,7 +214,7 @@ class AttentionKernel:
             key_scales: np.ndarray | None = None, value_scales: np.ndarray | None = None) -> np.ndarray:
         """The op on host arrays: query [H*D], keys/values [S, KVH*D] (float32, int8 codes for the
         int8 forms, or float16), mask [S] float32 -> [H*D]. With int8 codes, `key_scales` and
-        `value_scales` [S, KVH] give each row's scale (the `_int8_rows` form)."""
+        `value_scales` [KVH, S] give each row's scale (the `_int8_rows` form)."""
         query, keys, values, mask, key_scales, value_scales, cache_type = _host_arrays(
             query, keys, values, mask, key_scales, value_scales)
         if key_scales is not None and (key_scales.size != num_kv_heads * mask.size
@@ -233,7 +233,7 @@ class AttentionKernel:
                     num_kv_heads: int, key_scales: np.ndarray | None = None,
                     value_scales: np.ndarray | None = None) -> np.ndarray:
         """The prefill op on host arrays: query [T, H*D], keys/values [S, KVH*D] (float32, int8
-        codes or float16), mask [T, S] float32 -> [T, H*D]; row scales [S, KVH] as for `run`."""
+        codes or float16), mask [T, S] float32 -> [T, H*D]; row scales [KVH, S] as for `run`."""
         query, keys, values, mask, key_scales, value_scales, cache_type = _host_arrays(
             query, keys, values, mask, key_scales, value_scales)
         if mask.ndim != 2:

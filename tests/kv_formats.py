@@ -24,7 +24,9 @@ BACKENDS = ["onnx", pytest.param("litert", marks=pytest.mark.skipif(not kernel_a
 def kv_format_bundle(arch: str, backend: str, kv_cache: str, lora_rank: int | None = None) -> Path:
     """A test model converted with a `kv_cache` ("int8", "fp16") cache for one of BACKENDS."""
     attention = "graph" if backend == "litert-graph" else "kernel"
-    litert = dict(kv_buckets=KV_BUCKETS, decode_attention=attention, prefill_attention=attention)
+    # int8-row bundles have one capacity; the others get capacity buckets to bind prefixes of the cache
+    buckets = dict(kv_buckets=KV_BUCKETS) if kv_cache != "int8-row" else {}
+    litert = dict(decode_attention=attention, prefill_attention=attention, **buckets)
     options = ConvertOptions(backend=backend.split("-")[0], max_context=MAX_CONTEXT, prefill_lengths=PREFILL_LENGTHS,
                              kv_cache=kv_cache, lora_rank=lora_rank, **(litert if backend != "onnx" else {}))
     return convert(checkpoint_dir(arch), _ROOT / f"{arch}-{backend}-kv{kv_cache}-lora{lora_rank}", options)

@@ -111,11 +111,11 @@ def test_int8_form_matches_numpy_on_the_codes(heads, kv_heads, head_dim, slots, 
 
 
 def quantize_rows(x, kv_heads, head_dim):
-    """int8 codes [S, KVH*D] of x with one scale per slot and KV head, and the scales [S, KVH]."""
+    """int8 codes [S, KVH*D] of x with one scale per slot and KV head, and the scales [KVH, S]."""
     rows = x.reshape(x.shape[0], kv_heads, head_dim)
     scales = (np.maximum(np.abs(rows).max(axis=2), 1e-30) / 127.0).astype(np.float32)  # [S, KVH]
     codes = np.clip(np.rint(rows / scales[..., None]), -127, 127).astype(np.int8)
-    return codes.reshape(x.shape), scales
+    return codes.reshape(x.shape), np.ascontiguousarray(scales.T)
 
 
 def rows_case(heads, kv_heads, head_dim, slots, live, window=None):
@@ -129,7 +129,7 @@ def rows_case(heads, kv_heads, head_dim, slots, live, window=None):
 
 def dequantized(codes, scales, kv_heads, head_dim):
     rows = codes.reshape(codes.shape[0], kv_heads, head_dim).astype(np.float64)
-    return (rows * scales[..., None]).reshape(codes.shape)
+    return (rows * scales.T[..., None]).reshape(codes.shape)
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim, slots, live, window", [
@@ -161,7 +161,7 @@ def test_int8_rows_form_takes_both_scales_that_fit_the_cache():
     with pytest.raises(ValueError, match="together"):
         native_attention.reference(q, k, v, m, 3, 64, key_scales=ks)
     with pytest.raises(ValueError, match="do not fit"):
-        native_attention.reference(q, k, v, m, 3, 64, key_scales=ks[:32], value_scales=vs[:32])
+        native_attention.reference(q, k, v, m, 3, 64, key_scales=ks[:, :32], value_scales=vs[:, :32])
     with pytest.raises(ValueError, match="int8 codes"):
         native_attention.reference(q, k.astype(np.float32), v.astype(np.float32), m, 3, 64, key_scales=ks,
                                    value_scales=vs)
@@ -328,8 +328,8 @@ def test_manifest_versions(tmp_path):
     manifest = Manifest.from_json(json.dumps(five), "five")
     assert (manifest.decode_attention, manifest.prefill_attention, manifest.uses_attention_kernel) == (
         "kernel", "graph", True)
-    with pytest.raises(BundleError, match="version 8 is not supported.*reads versions 3, 4, 5, 6, 7"):
-        Manifest.from_json(json.dumps({**data, "version": 8}), "new")
+    with pytest.raises(BundleError, match="version 9 is not supported.*reads versions 3, 4, 5, 6, 7, 8"):
+        Manifest.from_json(json.dumps({**data, "version": 9}), "new")
     with pytest.raises(BundleError, match="unknown KV cache dtype 'bfloat16'; reconvert"):
         Manifest.from_json(json.dumps({**data, "kv_dtype": "bfloat16"}), "new")
     six = dict(data)

@@ -142,6 +142,7 @@ def test_damaged_row_scales_fail_the_checksum():
     (dict(backend="onnx", kv_cache="int8-row"), "LiteRT format"),
     (dict(backend="litert", kv_cache="int8-row", decode_attention="graph"), "kernels only"),
     (dict(backend="litert", kv_cache="int8-row", prefill_attention="graph"), "kernels only"),
+    (dict(backend="litert", kv_cache="int8-row", kv_buckets=(2048, 4096)), "one capacity"),
 ])
 def test_int8_row_needs_litert_and_the_kernels(options, match):
     with pytest.raises(ConfigError, match=match):

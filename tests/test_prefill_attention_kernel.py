@@ -200,13 +200,13 @@ def test_int8_rows_form_matches_numpy_on_the_scaled_codes(heads, kv_heads, head_
         rows = (x * rng.uniform(0.1, 10.0, (slots, 1))).reshape(slots, kv_heads, head_dim)
         scale = np.abs(rows).max(axis=2) / 127.0
         codes.append(np.rint(rows / scale[..., None]).astype(np.int8).reshape(slots, -1))
-        scales.append(scale.astype(np.float32))
+        scales.append(np.ascontiguousarray(scale.T, np.float32))
     kernel = native_attention.AttentionKernel(head_dim, heads, slots, 2)
     try:
         got = kernel.run_prefill(q / 8, codes[0], codes[1], m, kv_heads, key_scales=scales[0], value_scales=scales[1])
     finally:
         kernel.release()
-    k_float, v_float = ((c.reshape(slots, kv_heads, head_dim) * s[..., None]).reshape(slots, -1)
+    k_float, v_float = ((c.reshape(slots, kv_heads, head_dim) * s.T[..., None]).reshape(slots, -1)
                         for c, s in zip(codes, scales))
     want = numpy_prefill(q / 8, k_float, v_float, m, kv_heads, head_dim)
     np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max(), rtol=1e-4)

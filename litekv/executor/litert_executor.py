@@ -261,9 +261,9 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
                     # The model's cache tensors are [1,S,KVH*D]: the same memory seen as rows.
                     buffers[f"kv_cache_{kind}_{layer}"] = HostTensorBuffer(
                         raw[row:row + 1, :capacity].reshape(1, capacity, -1))
-                if kv_cache.row_scales:  # [1, S, KVH]: a bucket's slots are a prefix, as for the codes
+                if kv_cache.row_scales:  # [1, KVH, S]: bundles with row scales have one capacity
                     for kind, raw in (("k", kv_cache.raw_key_scales(layer)), ("v", kv_cache.raw_value_scales(layer))):
-                        buffers[f"kv_scale_{kind}_{layer}"] = HostTensorBuffer(raw[row:row + 1, :capacity])
+                        buffers[f"kv_scale_{kind}_{layer}"] = HostTensorBuffer(raw[row:row + 1])
             kv_cache.bindings[key] = buffers
         return kv_cache.bindings[key]
 

@@ -54,8 +54,8 @@ INLINE void mask_span(const float *m, int slots, int *lo, int *hi) {
 /* What a cache holds, as the op names say: float32 ("litekv.decode_attention"), int8 codes of a
  * statically scaled cache ("_int8"), float16 ("_f16", half a float32 cache's bytes to read), or
  * int8 codes with a scale per row ("_int8_rows"): each slot's head vector quantized on its own as
- * it was written, its float32 scale in an [S][KVH] tensor beside the codes (slot-major, like the
- * codes, so a capacity bucket's first slots are one contiguous prefix), for keys and values. */
+ * it was written, its float32 scale in a [KVH][S] tensor beside the codes (each KV head's scales
+ * contiguous, as the kernels read them), for keys and values. */
 typedef enum { CACHE_F32 = 0, CACHE_I8 = 1, CACHE_F16 = 2, CACHE_I8_ROWS = 3 } CacheType;
 
 INLINE int valid_cache_type(int type) { return type >= CACHE_F32 && type <= CACHE_I8_ROWS; }
@@ -117,9 +117,9 @@ INLINE float element(const void *base, size_t i, int type) {
                                : ((const float *)base)[i];
 }
 
-/* The scale of slot s's row of KV head kv: scales [S][kv_heads], or 1 without them. */
-INLINE float row_scale(const float *scales, int kv_heads, int kv, int s) {
-    return scales ? scales[(size_t)s * kv_heads + kv] : 1.0f;
+/* The scale of slot s's row of KV head kv: scales [KVH][slots], or 1 without them. */
+INLINE float row_scale(const float *scales, int slots, int kv, int s) {
+    return scales ? scales[(size_t)kv * slots + s] : 1.0f;
 }
 
 typedef int32_t i32x16 __attribute__((vector_size(64)));
@@ -154,7 +154,8 @@ typedef struct {
 typedef struct {
     const float *query, *mask;
     const void *keys, *values;          /* elements of `cache_type` */
-    const float *key_scales, *value_scales; /* CACHE_I8_ROWS: [S][KVH] row scales; else NULL */
+    const float *key_scales, *value_scales; /* CACHE_I8_ROWS: [KVH][scale_stride] row scales; else NULL */
+    int scale_stride;                   /* the cache's slots */
     int cache_type, int8_dot;           /* int8_dot: integer dot products on int8 codes, if the CPU has them */
     int heads, kv_heads, head_dim, row; /* row = KVH * D elements per cached slot */
     float *scores;                      /* [heads][stride]: column i is slot lo + i */
@@ -193,7 +194,7 @@ INLINE float exp_nonpositive(float x) {
 typedef struct {
     const float *query, *mask;          /* [tokens][heads * D] (scaled), [tokens][slots] */
     const void *keys, *values;          /* [slots][row]: elements of `cache_type` */
-    const float *key_scales, *value_scales; /* CACHE_I8_ROWS: [slots][KVH] row scales; else NULL */
+    const float *key_scales, *value_scales; /* CACHE_I8_ROWS: [KVH][slots] row scales; else NULL */
     float *out;                         /* [tokens][heads * D] */
     int cache_type, tokens, slots, heads, kv_heads, head_dim, row;
 } PrefillJob;

@@ -104,14 +104,10 @@ TARGET static inline __attribute__((always_inline)) void score_block(const Job *
         transpose16(col[c]); /* col[c][j] lane r: dimensions 64c + 4j .. 64c + 4j + 3 of slot s0 + r, plus 128 */
     }
     const __mmask16 stored = (__mmask16)((1u << rows) - 1);
-    /* a scale per row (CACHE_I8_ROWS, [S][KVH]) multiplies each slot's dot product; static scales are
+    /* a scale per row (CACHE_I8_ROWS, [KVH][S]) multiplies each slot's dot product; static scales are
      * in the query */
     const __m512 row_scale =
-        job->key_scales ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), stored,
-                                                   _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                                                                        11, 12, 13, 14, 15),
-                                                                      _mm512_set1_epi32(job->kv_heads)),
-                                                   job->key_scales + (size_t)s0 * job->kv_heads + kv, 4)
+        job->key_scales ? _mm512_maskz_loadu_ps(stored, job->key_scales + (size_t)kv * job->scale_stride + s0)
                         : _mm512_set1_ps(1.0f);
     for (int g = 0; g < group; g++) {
         const int h = kv * group + g;
@@ -239,36 +235,37 @@ TARGET void int8_dot_digits(const Job *job, Digits *out) {
 }
 
 /* With a scale per value row, a numerator weighs e^(score - top) * scale / (the part's largest
- * scale): the int16 range spent on the part's own rows. The sum stays e^(score - top) summed, so
- * the weighted values are brought to the same units after the pass (`unit`). */
-TARGET static float row_numerators(const Job *job, const Part *part, const float *sc, float top, int kv, int n,
-                                   int16_t *numerators, float *unit) {
-    const int kvh = job->kv_heads;
-    const float *scales = job->value_scales + (size_t)part->lo * kvh + kv; /* slot i's: scales[i * kvh] */
-    float largest = 0.0f, total = 0.0f;
-    for (int i = 0; i < n; i++) largest = scales[(size_t)i * kvh] > largest ? scales[(size_t)i * kvh] : largest;
-    const float step = largest > 0.0f ? NUMERATOR_ONE / largest : 0.0f;
-    for (int i = 0; i < n; i++) {
-        const float e = exp_nonpositive(sc[i] - top);
-        numerators[i] = (int16_t)(int32_t)(e * scales[(size_t)i * kvh] * step + 0.5f);
-        total += e;
-    }
-    *unit = largest / NUMERATOR_ONE;
-    return total;
-}
-
+ * scale of that KV head): the int16 range spent on the part's own rows. The sum stays
+ * e^(score - top) summed, so the weighted values are brought to the same units after the pass. */
 TARGET void attend_part_int8_dot(const Job *job, Part *part) {
-    const int heads = job->heads, n = part->hi - part->lo + 1, group = heads / job->kv_heads;
+    const int heads = job->heads, n = part->hi - part->lo + 1, group = heads / job->kv_heads, kvh = job->kv_heads;
+    const int rows = job->key_scales != NULL;
     float tops[16 * heads]; /* per head, the largest of its masked scores so far in each lane */
-    float units[heads];     /* per head, what one step of the weighted values' sums is worth */
+    float units[heads];     /* with row scales, per head, what one step of the weighted values' sums is worth */
+    float largest[rows ? kvh : 1]; /* per KV head, the part's largest value scale */
+    for (int kv = 0; rows && kv < kvh; kv++) {
+        const float *scale = job->value_scales + (size_t)kv * job->scale_stride + part->lo;
+        largest[kv] = 0.0f;
+        for (int i = 0; i < n; i++) largest[kv] = scale[i] > largest[kv] ? scale[i] : largest[kv];
+    }
     for (int i = 0; i < 16 * heads; i++) tops[i] = MASKED_BELOW * 2.0f;
     scores(job, part, job->digits, tops);
     for (int h = 0; h < heads; h++) {
         const float *sc = job->scores + (size_t)h * job->stride + part->first;
         const float top = _mm512_reduce_max_ps(_mm512_loadu_ps(tops + 16 * h));
         int16_t *numerators = part->numerators + (size_t)h * part->numerator_stride;
-        if (job->value_scales) {
-            part->sum[h] = row_numerators(job, part, sc, top, h / group, n, numerators, &units[h]);
+        if (rows) {
+            const int kv = h / group;
+            const float *scale = job->value_scales + (size_t)kv * job->scale_stride + part->lo;
+            const float step = largest[kv] > 0.0f ? NUMERATOR_ONE / largest[kv] : 0.0f;
+            float total = 0.0f;
+            for (int i = 0; i < n; i++) {
+                const float e = exp_nonpositive(sc[i] - top);
+                numerators[i] = (int16_t)(int32_t)(e * scale[i] * step + 0.5f);
+                total += e;
+            }
+            part->sum[h] = total;
+            units[h] = largest[kv] / NUMERATOR_ONE;
         } else {
             int32_t total = 0; /* <= 32767 * CHUNK_SLOTS */
             for (int i = 0; i < n; i++) {
@@ -281,7 +278,7 @@ TARGET void attend_part_int8_dot(const Job *job, Part *part) {
         part->max[h] = top;
     }
     weighted_values(job, part);
-    if (job->value_scales) {
+    if (rows) {
         const int d = job->head_dim;
         for (int h = 0; h < heads; h++)
             for (int j = 0; j < d; j++) part->acc[(size_t)h * d + j] *= units[h];

@@ -158,7 +158,7 @@ INLINE void scale_rows(const Job *job, float *restrict rows_out, const float *sc
     const int d = job->head_dim;
     for (int r = 0; r < rows; r++)
         for (int kv = 0; kv < job->kv_heads; kv++) {
-            const float scale = scales[(size_t)(s0 + r) * job->kv_heads + kv];
+            const float scale = scales[(size_t)kv * job->scale_stride + s0 + r];
             float *x = rows_out + (size_t)r * job->row + (size_t)kv * d;
             for (int j = 0; j < d; j++) x[j] *= scale;
         }
@@ -261,7 +261,7 @@ INLINE void part_any(const Job *job, Part *part) {
             const size_t k = (size_t)s * job->row + (size_t)(h / group) * d;
             float dot = 0.0f;
             for (int j = 0; j < d; j++) dot += q[j] * element(job->keys, k + j, job->cache_type);
-            dot *= row_scale(job->key_scales, job->kv_heads, h / group, s);
+            dot *= row_scale(job->key_scales, job->scale_stride, h / group, s);
             sc[i] = job->mask[s] <= MASKED_BELOW ? -INFINITY : dot + job->mask[s];
             best = sc[i] > best ? sc[i] : best;
         }
@@ -271,7 +271,7 @@ INLINE void part_any(const Job *job, Part *part) {
             sc[i] = exp_nonpositive(sc[i] - best);
             total += sc[i];
             const size_t v = (size_t)(part->lo + i) * job->row + (size_t)(h / group) * d;
-            const float w = sc[i] * row_scale(job->value_scales, job->kv_heads, h / group, part->lo + i);
+            const float w = sc[i] * row_scale(job->value_scales, job->scale_stride, h / group, part->lo + i);
             for (int j = 0; j < d; j++) acc[j] += w * element(job->values, v + j, job->cache_type);
         }
         part->max[h] = best;
@@ -576,8 +576,8 @@ static Status make_job(Job *job, const float *q, size_t nq, const void *k, size_
     if (heads == 0 || kv_heads == 0 || heads % kv_heads) return STATUS_INVALID_ARGUMENT;
     const int rows = cache_type == CACHE_I8_ROWS; /* a scale per slot and KV head, for keys and values */
     if (rows != (ks && vs) || (rows && n_scales != slots * (size_t)kv_heads)) return STATUS_INVALID_ARGUMENT;
-    *job = (Job){q, m, k, v, ks, vs, cache_type, int8_codes(cache_type) && st->int8_dot, heads, kv_heads, head_dim,
-                 kv_heads * head_dim, st->scores, st->max_slots};
+    *job = (Job){q, m, k, v, ks, vs, (int)slots, cache_type, int8_codes(cache_type) && st->int8_dot, heads, kv_heads,
+                 head_dim, kv_heads * head_dim, st->scores, st->max_slots};
     return STATUS_OK;
 }
 
@@ -751,7 +751,7 @@ void litekv_attention_release(AttentionConfig *cfg) {
 }
 
 /* The same computation on host arrays, with the registration's state (tests, benchmarks): query
- * [H*D], keys and values [slots, KVH*D] (elements of `cache_type`), their row scales [slots, KVH]
+ * [H*D], keys and values [slots, KVH*D] (elements of `cache_type`), their row scales [KVH, slots]
  * for CACHE_I8_ROWS (else NULL), mask [slots], out [H*D]. */
 int litekv_attention_run(AttentionConfig *cfg, const float *query, const void *keys, const void *values,
                          const float *key_scales, const float *value_scales, const float *mask, float *out, int heads,

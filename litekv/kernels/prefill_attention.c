@@ -58,7 +58,7 @@ size_t prefill_scratch_floats(int heads, int head_dim, int max_slots) {
 
 /* Rows first..first+count-1 of KV head `kv` in a cache as floats, and the stride between them:
  * float rows where they lie, int8 codes or float16 widened into `buffer` [count][D] a row at a
- * time (codes times their row's scale, with `scales` [slots][KVH]). */
+ * time (codes times their row's scale, with `scales` [KVH][slots]). */
 INLINE const float *cache_rows(const PrefillJob *job, const void *cache, const float *scales, int first, int count,
                                int kv, float *restrict buffer, size_t *stride) {
     const int d = job->head_dim;
@@ -71,7 +71,7 @@ INLINE const float *cache_rows(const PrefillJob *job, const void *cache, const f
         float *row = buffer + (size_t)i * d;
         widen(row, cache, cache_element_bytes(job->cache_type), at + (size_t)i * job->row, (size_t)d);
         if (scales) {
-            const float scale = scales[(size_t)(first + i) * job->kv_heads + kv];
+            const float scale = scales[(size_t)kv * job->slots + first + i];
             for (int j = 0; j < d; j++) row[j] *= scale;
         }
     }
@@ -231,14 +231,14 @@ INLINE void task_any(const PrefillJob *job, const Tile *t, float *scratch) {
             const size_t k = (size_t)(t->lo + i) * job->row + (size_t)t->kv * d;
             float dot = 0.0f;
             for (int j = 0; j < d; j++) dot += q[j] * element(job->keys, k + j, job->cache_type);
-            scratch[i] = dot * row_scale(job->key_scales, job->kv_heads, t->kv, t->lo + i);
+            scratch[i] = dot * row_scale(job->key_scales, job->slots, t->kv, t->lo + i);
         }
         const float total = row_numerators(job, t, r, scratch, n), scale = total > 0.0f ? 1.0f / total : 0.0f;
         float *o = out_row(job, t, r);
         memset(o, 0, sizeof(float) * d);
         for (int i = 0; i < n; i++) {
             const size_t v = (size_t)(t->lo + i) * job->row + (size_t)t->kv * d;
-            const float w = scratch[i] * row_scale(job->value_scales, job->kv_heads, t->kv, t->lo + i);
+            const float w = scratch[i] * row_scale(job->value_scales, job->slots, t->kv, t->lo + i);
             for (int j = 0; j < d; j++) o[j] += w * element(job->values, v + j, job->cache_type);
         }
         for (int j = 0; j < d; j++) o[j] *= scale;
