@@ -24,6 +24,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from litekv.bundle import SAMPLER_INPUTS
+from litekv.errors import ConfigError
 from litekv.models.base import architecture
 from litekv.models.config import ModelConfig, RopeConfig
 from litekv.native_attention import op_name as attention_op_name
@@ -108,8 +109,12 @@ class TFLiteOps(GraphOps):
         self.prefill_attention = prefill_attention  # the same, for chunks of more than one token
         self.kv_scales = kv_scales  # (keys, values) [layers, KVH, D]: an int8 cache; None: float32 or float16
         self.kv_dtype = "int8" if kv_scales is not None else kv_dtype
-        # int8 codes with a scale per row: computed as each row is written, kept in [1, S, KVH] tensors
+        # int8 codes with a scale per row: computed as each row is written, kept in [1, KVH, S] tensors
+        # that only litekv's kernels read
         self.kv_row_scales = kv_row_scales
+        if kv_row_scales and "graph" in (decode_attention, prefill_attention):
+            raise ConfigError("an int8 cache with row scales is read by litekv's attention kernels only; convert "
+                              "with kernel attention or another --kv-cache.")
         self.sg = sg
         self._count = 0
         self.kv_outputs: dict[str, Sym] = {}
@@ -344,14 +349,14 @@ class TFLiteOps(GraphOps):
 
     def _kv_row_codes(self, x: Sym) -> tuple[Sym, Sym]:
         """New K or V rows [.., T, KVH, D] as int8 codes with a scale per token and KV head, the
-        row's largest |x| over 127 (zero rows get the smallest normal float, not 0): codes
-        [1, T, KVH, D] and scales [1, KVH, T]."""
+        row's largest |x| over 127 (0 for a zero row, whose codes are 0): codes [1, T, KVH, D] and
+        scales [1, KVH, T]."""
         t, kvh, d = self.sig.tokens, self.cfg.num_kv_heads, self.cfg.head_dim
         x = self.reshape(x, (1, t, kvh, d))
         largest = self._op("REDUCE_MAX", [self._op("ABS", [x], x.shape), self._ints([3])], (1, t, kvh, 1),
                            keep_dims=True)
-        largest = self._op("MAXIMUM", [largest, self.const(np.float32(np.finfo(np.float32).tiny))], largest.shape)
-        unit = self._op("DIV", [x, largest], x.shape)  # in [-1, 1]
+        divisor = self._op("MAXIMUM", [largest, self.const(np.float32(np.finfo(np.float32).tiny))], largest.shape)
+        unit = self._op("DIV", [x, divisor], x.shape)  # in [-1, 1]
         codes = self._op("ROUND", [self.binary("mul", unit, self.const(np.float32(127)))], x.shape)
         codes = self._op("CAST", [codes], x.shape, "int8")
         scales = self.binary("mul", largest, self.const(np.float32(1.0 / 127.0)))

@@ -22,7 +22,8 @@ def convert(source: str | Path, output: str | Path, backend: str = "litert", qua
             lora_rank: int | None = None, kv_cache: str | None = None) -> Path:
     """Convert a GGUF file or Hugging Face directory into a bundle (needs `litekv[convert]`).
 
-    kv_cache: "fp32", "fp16" or "int8"; None takes the converter's default for these weights."""
+    kv_cache: "fp32", "fp16", "int8" or "int8-row" (LiteRT); None takes the converter's default for these
+    weights."""
     from litekv.converters.convert import ConvertOptions
     from litekv.converters.convert import convert as run
 

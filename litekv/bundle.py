@@ -81,7 +81,7 @@ class Manifest:
     # custom ops) or "graph" (builtin ops)
     decode_attention: str = "graph"
     prefill_attention: str = "graph"
-    # int8 cache codes with a scale per token and KV head (tensors kv_scale_<k|v>_<layer>, [1, S, KVH])
+    # int8 cache codes with a scale per token and KV head (tensors kv_scale_<k|v>_<layer>, [1, KVH, S])
     kv_row_scales: bool = False
 
     @property

@@ -30,7 +30,8 @@ ALIGNMENT = 64  # LiteRT binds host memory zero-copy only when 64-byte aligned
 # A layer of SmolLM2's int8 cache at 4,096 slots is 786 KB: it must be a map too, or heap reuse
 # makes calloc clear (and make resident) all of it.
 MMAP_MIN_BYTES = 1 << 18
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 when the cache has row scales (older readers then say so, not "corrupted"); 1 otherwise
+READABLE_FORMAT_VERSIONS = (1, 2)
 IDENTIFIER = b"LKVC"
 # Field order = vtable slots of litekv/schema/kv_cache.fbs. The row scales' slots came last, so
 # files written before them read as caches without row scales.
@@ -113,8 +114,8 @@ class KVCache:
             raise ConfigError(f"scales per row go with an int8 cache in BSHD layout, not {dtype} in {layout}.")
         shape = ((batch_size, capacity, num_kv_heads, head_dim) if layout == "BSHD"
                  else (batch_size, num_kv_heads, capacity, head_dim))
-        scales_shape = (batch_size, num_kv_heads, capacity)
-        scales = (lambda: [aligned_zeros(scales_shape) for _ in range(num_layers)]) if row_scales else (lambda: None)
+        scales = (lambda: [_row_scale_buffer(batch_size, num_kv_heads, capacity) for _ in range(num_layers)]) \
+            if row_scales else (lambda: None)
         return cls(_Storage([aligned_zeros(shape, dtype) for _ in range(num_layers)],
                             [aligned_zeros(shape, dtype) for _ in range(num_layers)], layout, next(_ids),
                             key_scales=scales(), value_scales=scales()))
@@ -330,7 +331,8 @@ class KVCache:
         n = self.num_tokens
         keys = np.stack([self._canonical(b, slice(None), n) for b in self._s.keys]) if n else np.zeros(0, np.float32)
         values = np.stack([self._canonical(b, slice(None), n) for b in self._s.values]) if n else np.zeros(0, np.float32)
-        header = dict(version=FORMAT_VERSION, layout="BSHD", dtype=str(self.dtype), num_layers=self.num_layers,
+        header = dict(version=FORMAT_VERSION if self.row_scales else 1, layout="BSHD", dtype=str(self.dtype),
+                      num_layers=self.num_layers,
                       batch_size=self.batch_size, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                       num_tokens=n, capacity=self.num_entries)
         raw_keys, raw_values = keys.view(np.uint8).reshape(-1), values.view(np.uint8).reshape(-1)
@@ -351,9 +353,9 @@ class KVCache:
             fields = parse(SCHEMA, data, IDENTIFIER)
         except FlatTableError as e:
             raise KVCacheError(f"not a serialized litekv KV cache: {e}.") from e
-        if fields["version"] != FORMAT_VERSION:
+        if fields["version"] not in READABLE_FORMAT_VERSIONS:
             raise KVCacheError(f"serialized KV cache has format version {fields['version']}; this litekv reads "
-                               f"version {FORMAT_VERSION}.")
+                               f"versions {', '.join(map(str, READABLE_FORMAT_VERSIONS))}: upgrade litekv.")
         header = {k: fields[k] for k, _ in SCHEMA if k not in _DATA}
         if None in header.values() or fields["keys"] is None or fields["values"] is None:
             raise KVCacheError("serialized KV cache is missing fields.")
@@ -378,7 +380,7 @@ class KVCache:
         size = int(np.prod(shape)) * self.dtype.itemsize
         if fields["keys"].size != size or fields["values"].size != size:
             raise KVCacheError("serialized KV cache has data of the wrong size.")
-        if row_scales and any(fields[k].size != size // self.head_dim * 4 for k in ("key_scales", "value_scales")):
+        if row_scales and any(fields[k].size != int(np.prod(shape[:-1])) * 4 for k in ("key_scales", "value_scales")):
             raise KVCacheError("serialized KV cache has row scales of the wrong size.")
         arrays = [fields["keys"].view(self.dtype).reshape(shape), fields["values"].view(self.dtype).reshape(shape)]
         if row_scales:
@@ -391,6 +393,14 @@ class KVCache:
     def __repr__(self) -> str:
         return (f"KVCache(id={self.cache_id}, layers={self.num_layers}, batch={self.batch_size}, "
                 f"tokens={self.num_tokens}/{self.num_entries}, layout={self.layout})")
+
+
+def _row_scale_buffer(batch_size: int, num_kv_heads: int, capacity: int) -> np.ndarray:
+    """Zeros [batch, kv_head, slot] float32 whose batch rows each start 64-byte aligned (LiteRT binds
+    one row at a time): rows padded to 16 floats."""
+    width = num_kv_heads * capacity
+    padded = -(-width // 16) * 16
+    return aligned_zeros((batch_size, padded))[:, :width].reshape(batch_size, num_kv_heads, capacity)
 
 
 def _checksum(header: dict[str, Any], *data: np.ndarray | None) -> int:

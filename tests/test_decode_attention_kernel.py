@@ -156,6 +156,29 @@ def test_int8_rows_form_matches_numpy_on_the_scaled_codes(heads, kv_heads, head_
     np.testing.assert_allclose(got, expected, atol=(2e-3 if int8_dot else 2e-5) * scale, rtol=1e-4)
 
 
+@pytest.mark.parametrize("int8_dot", [True, False], ids=["integer dot products", "codes widened to floats"])
+@pytest.mark.parametrize("larger", [1e3, 1e4])
+def test_int8_rows_form_keeps_its_precision_beside_a_huge_ignored_row(int8_dot, larger):
+    """One value row far larger than the rest, which the query barely attends to (a soft mask of
+    -40): the integer path rounds each numerator in the units of the largest weight a head gives,
+    not of the largest scale in the chunk, so the rows that matter keep their 15 bits."""
+    q, k, v, ks, vs, m = rows_case(9, 3, 64, 384, 300)
+    vs[:, 10] *= larger
+    m[10] = -40.0
+    got = native_attention.reference(q, k, v, m, 3, 64, 1, int8_dot=int8_dot, key_scales=ks, value_scales=vs)
+    expected = numpy_attention(q, dequantized(k, ks, 3, 64), dequantized(v, vs, 3, 64), m, 3, 64)
+    np.testing.assert_allclose(got, expected, atol=2e-3 * np.abs(expected).max(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("int8_dot", [True, False], ids=["integer dot products", "codes widened to floats"])
+def test_int8_rows_form_attends_to_zero_rows_as_zeros(int8_dot):
+    """Rows the graph stored as zeros have scale 0: their values add nothing, and nothing is NaN."""
+    q, k, v, ks, vs, m = rows_case(9, 3, 64, 384, 300)
+    vs[...] = 0.0
+    got = native_attention.reference(q, k, v, m, 3, 64, 2, int8_dot=int8_dot, key_scales=ks, value_scales=vs)
+    assert np.all(got == 0.0)
+
+
 def test_int8_rows_form_takes_both_scales_that_fit_the_cache():
     q, k, v, ks, vs, m = rows_case(9, 3, 64, 64, 40)
     with pytest.raises(ValueError, match="together"):

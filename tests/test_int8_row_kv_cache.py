@@ -93,8 +93,11 @@ def test_caches_with_and_without_row_scales_do_not_mix():
     rows.set_num_tokens(4)
     static.set_num_tokens(4)
     for here, there in ((static, rows), (rows, static)):
+        before = here.raw_keys(0).copy()
         with pytest.raises(KVCacheError, match="--kv-cache"):
             here.load(there.serialize())
+        np.testing.assert_array_equal(here.raw_keys(0), before)
+        assert here.num_tokens == 4
         with pytest.raises(KVCacheError, match="row scales"):
             here.select_and_copy_from(there, 0)
     with pytest.raises(KVCacheError, match="no scales per row"):
@@ -143,7 +146,44 @@ def test_damaged_row_scales_fail_the_checksum():
     (dict(backend="litert", kv_cache="int8-row", decode_attention="graph"), "kernels only"),
     (dict(backend="litert", kv_cache="int8-row", prefill_attention="graph"), "kernels only"),
     (dict(backend="litert", kv_cache="int8-row", kv_buckets=(2048, 4096)), "one capacity"),
+    (dict(backend="litert", kv_cache="int8-row", decode_buckets=(2048, 4096)), "one capacity"),
 ])
 def test_int8_row_needs_litert_and_the_kernels(options, match):
     with pytest.raises(ConfigError, match=match):
         ConvertOptions(**options)
+
+
+def test_each_batch_rows_scales_bind_64_byte_aligned():
+    """LiteRT binds one batch row at a time, zero-copy only at 64-byte alignment: 2 KV heads x 100
+    slots is not a multiple of 16 floats, so the rows are padded."""
+    cache = KVCache.allocate(1, 3, 2, 64, 100, dtype="int8", row_scales=True)
+    for row in range(3):
+        for raw in (cache.raw_key_scales(0), cache.raw_value_scales(0)):
+            view = raw[row:row + 1]
+            assert view.flags.c_contiguous and view.ctypes.data % 64 == 0 and view.shape == (1, 2, 100)
+
+
+def test_a_batch_steps_each_row_as_a_single_cache_would():
+    ex = open_executor(row_bundle("llama"))
+    prompt = np.random.default_rng(6).integers(3, ex.config.vocab_size, 7)
+    single = ex.create_kv_cache()
+    ex.prefill(prompt, single)
+    batch = ex.create_kv_cache(batch_size=2)
+    batch.broadcast_and_copy_from(single)
+    both = ex.step([11, 12], batch)
+    np.testing.assert_allclose(both[1], ex.step([12], single)[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(batch.key_scales(0)[0, :7], batch.key_scales(0)[1, :7])  # the shared prompt
+    assert not np.array_equal(batch.key_scales(0)[0, 7], batch.key_scales(0)[1, 7])  # each row's own token
+
+
+def test_the_manifest_refuses_row_scales_outside_litert_kernels():
+    import json
+
+    from litekv.bundle import MANIFEST, BundleError, Manifest
+
+    data = json.loads((row_bundle("llama") / MANIFEST).read_text())
+    Manifest.from_json(json.dumps(data), "as converted")
+    for change in ({"backend": "onnx"}, {"decode_attention": "graph"}, {"kv_dtype": "float16"},
+                   {"kv_buckets": [32, 64]}):
+        with pytest.raises(BundleError, match="row scales"):
+            Manifest.from_json(json.dumps({**data, **change}), "changed")

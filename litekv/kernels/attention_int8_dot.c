@@ -234,38 +234,39 @@ TARGET void int8_dot_digits(const Job *job, Digits *out) {
                                     out->offset + h);
 }
 
-/* With a scale per value row, a numerator weighs e^(score - top) * scale / (the part's largest
- * scale of that KV head): the int16 range spent on the part's own rows. The sum stays
- * e^(score - top) summed, so the weighted values are brought to the same units after the pass. */
+/* With a scale per value row, a numerator weighs e^(score - top) * scale, rounded in the units of
+ * the head's largest such weight in the part: the int16 range goes to the rows the head attends
+ * to, whatever the scales of rows it ignores. The sum stays e^(score - top) summed, so the weighted
+ * values are brought to the same units after the pass (`units`). `sc` is the head's scores,
+ * overwritten with the weights. */
+TARGET static float row_numerators(const float *scale, float *sc, float top, int n, int16_t *numerators,
+                                   float *unit) {
+    float total = 0.0f, largest = 0.0f;
+    for (int i = 0; i < n; i++) {
+        const float e = exp_nonpositive(sc[i] - top);
+        total += e;
+        sc[i] = e * scale[i];
+        largest = sc[i] > largest ? sc[i] : largest;
+    }
+    const float step = largest > 0.0f ? NUMERATOR_ONE / largest : 0.0f;
+    for (int i = 0; i < n; i++) numerators[i] = (int16_t)(int32_t)(sc[i] * step + 0.5f);
+    *unit = largest / NUMERATOR_ONE;
+    return total;
+}
+
 TARGET void attend_part_int8_dot(const Job *job, Part *part) {
-    const int heads = job->heads, n = part->hi - part->lo + 1, group = heads / job->kv_heads, kvh = job->kv_heads;
-    const int rows = job->key_scales != NULL;
+    const int heads = job->heads, n = part->hi - part->lo + 1, group = heads / job->kv_heads;
     float tops[16 * heads]; /* per head, the largest of its masked scores so far in each lane */
     float units[heads];     /* with row scales, per head, what one step of the weighted values' sums is worth */
-    float largest[rows ? kvh : 1]; /* per KV head, the part's largest value scale */
-    for (int kv = 0; rows && kv < kvh; kv++) {
-        const float *scale = job->value_scales + (size_t)kv * job->scale_stride + part->lo;
-        largest[kv] = 0.0f;
-        for (int i = 0; i < n; i++) largest[kv] = scale[i] > largest[kv] ? scale[i] : largest[kv];
-    }
     for (int i = 0; i < 16 * heads; i++) tops[i] = MASKED_BELOW * 2.0f;
     scores(job, part, job->digits, tops);
     for (int h = 0; h < heads; h++) {
-        const float *sc = job->scores + (size_t)h * job->stride + part->first;
+        float *sc = job->scores + (size_t)h * job->stride + part->first;
         const float top = _mm512_reduce_max_ps(_mm512_loadu_ps(tops + 16 * h));
         int16_t *numerators = part->numerators + (size_t)h * part->numerator_stride;
-        if (rows) {
-            const int kv = h / group;
-            const float *scale = job->value_scales + (size_t)kv * job->scale_stride + part->lo;
-            const float step = largest[kv] > 0.0f ? NUMERATOR_ONE / largest[kv] : 0.0f;
-            float total = 0.0f;
-            for (int i = 0; i < n; i++) {
-                const float e = exp_nonpositive(sc[i] - top);
-                numerators[i] = (int16_t)(int32_t)(e * scale[i] * step + 0.5f);
-                total += e;
-            }
-            part->sum[h] = total;
-            units[h] = largest[kv] / NUMERATOR_ONE;
+        if (job->value_scales) {
+            const float *scale = job->value_scales + (size_t)(h / group) * job->scale_stride + part->lo;
+            part->sum[h] = row_numerators(scale, sc, top, n, numerators, &units[h]);
         } else {
             int32_t total = 0; /* <= 32767 * CHUNK_SLOTS */
             for (int i = 0; i < n; i++) {
@@ -278,7 +279,7 @@ TARGET void attend_part_int8_dot(const Job *job, Part *part) {
         part->max[h] = top;
     }
     weighted_values(job, part);
-    if (rows) {
+    if (job->value_scales) {
         const int d = job->head_dim;
         for (int h = 0; h < heads; h++)
             for (int j = 0; j < d; j++) part->acc[(size_t)h * d + j] *= units[h];
