@@ -239,15 +239,15 @@ TARGET void int8_dot_digits(const Job *job, Digits *out) {
  * to, whatever the scales of rows it ignores. The sum stays e^(score - top) summed, so the weighted
  * values are brought to the same units after the pass (`units`). `sc` is the head's scores,
  * overwritten with the weights. */
-TARGET static float row_numerators(const float *scale, float *sc, float top, int n, int16_t *numerators,
-                                   float *unit) {
-    float total = 0.0f, largest = 0.0f;
+TARGET static float row_numerators(const float *restrict scale, float *restrict sc, float top, int n,
+                                   int16_t *restrict numerators, float *unit) {
+    float total = 0.0f;
     for (int i = 0; i < n; i++) {
         const float e = exp_nonpositive(sc[i] - top);
         total += e;
         sc[i] = e * scale[i];
-        largest = sc[i] > largest ? sc[i] : largest;
     }
+    const float largest = max_of(sc, n); /* a vector max: a conditional max would not vectorize (NaNs) */
     const float step = largest > 0.0f ? NUMERATOR_ONE / largest : 0.0f;
     for (int i = 0; i < n; i++) numerators[i] = (int16_t)(int32_t)(sc[i] * step + 0.5f);
     *unit = largest / NUMERATOR_ONE;
