@@ -106,10 +106,11 @@ def _inspect(args: argparse.Namespace) -> int:
 
     m = read_manifest(args.bundle)
     cfg = m.config
+    kv = f"{m.kv_dtype} with a scale per row" if m.kv_row_scales else m.kv_dtype
     print(f"bundle       {args.bundle}\nbackend      {m.backend} ({m.model_file})\n"
           f"model        {cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads, vocab {cfg.vocab_size}\n"
-          f"context      {m.max_context} (KV {m.kv_layout} {m.kv_dtype}, buckets {list(m.kv_buckets)})\n"
+          f"context      {m.max_context} (KV {m.kv_layout} {kv}, buckets {list(m.kv_buckets)})\n"
           f"quantization {json.dumps(m.quantization)}\nLoRA         "
           f"{f'rank {m.lora_rank} on {list(m.lora_targets)}' if m.lora_rank else 'none'}\n"
           f"fingerprint  {m.fingerprint}\nfiles")

@@ -187,3 +187,10 @@ def test_the_manifest_refuses_row_scales_outside_litert_kernels():
                    {"kv_buckets": [32, 64]}):
         with pytest.raises(BundleError, match="row scales"):
             Manifest.from_json(json.dumps({**data, **change}), "changed")
+
+
+def test_litekv_inspect_names_the_row_scales(capsys):
+    from litekv.cli import main
+
+    assert main(["inspect", str(row_bundle("llama"))]) == 0
+    assert "KV BSHD int8 with a scale per row" in capsys.readouterr().out
