@@ -132,6 +132,11 @@ class ConvertOptions:
                                                  self.lora_rank is not None)
 
     @property
+    def kv_row_scales(self) -> bool:
+        """An int8 cache whose scales are computed per row as it is written (Manifest.kv_row_scales)."""
+        return self.kv_format == "int8-row"
+
+    @property
     def kv_dtype(self) -> str:
         """The cache tensors' dtype (Manifest.kv_dtype)."""
         return KV_CACHE_DTYPES[self.kv_format]
@@ -310,7 +315,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
                              progress=lambda name, n=iter(range(1, len(sigs) + 1)): tick(next(n), len(sigs), name),
                              decode_attention=options.attention_kind,
                              prefill_attention=options.prefill_attention_kind, kv_scales=kv_scales,
-                             kv_dtype=options.kv_dtype, kv_row_scales=options.kv_format == "int8-row")
+                             kv_dtype=options.kv_dtype, kv_row_scales=options.kv_row_scales)
         writer.write(staging / "model.tflite")
         bar.stage("writing model.tflite")(1, 1, f"{writer.data_bytes / 1e6:.0f} MB of weights")
         infos = tuple(SignatureInfo(s.name, "sampler" if s.sampler else ("decode" if s.tokens == 1 and s.logits
@@ -352,7 +357,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
     return Manifest(
         backend=options.backend, model_file=model_file, config=cfg, max_context=options.max_context,
         prefill_lengths=tuple(sorted(set(options.prefill_lengths))), kv_buckets=options.buckets(),
-        kv_layout=layout, kv_dtype=options.kv_dtype, kv_row_scales=options.kv_format == "int8-row",
+        kv_layout=layout, kv_dtype=options.kv_dtype, kv_row_scales=options.kv_row_scales,
         quantization=plan.to_dict(), lora_rank=options.lora_rank,
         lora_targets=tuple(options.lora_targets) if options.lora_rank else (), signatures=infos,
         fingerprint=fingerprint(cfg, ckpt.weights, plan, kv_scales), chat_template=tok.chat_template,

@@ -329,22 +329,26 @@ class KVCache:
         """Flatbuffer (litekv/schema/kv_cache.fbs) of the valid tokens in canonical layout, checksummed."""
         self._check_valid()
         n = self.num_tokens
-        keys = np.stack([self._canonical(b, slice(None), n) for b in self._s.keys]) if n else np.zeros(0, np.float32)
-        values = np.stack([self._canonical(b, slice(None), n) for b in self._s.values]) if n else np.zeros(0, np.float32)
         header = dict(version=FORMAT_VERSION if self.row_scales else 1, layout="BSHD", dtype=str(self.dtype),
                       num_layers=self.num_layers,
                       batch_size=self.batch_size, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                       num_tokens=n, capacity=self.num_entries)
-        raw_keys, raw_values = keys.view(np.uint8).reshape(-1), values.view(np.uint8).reshape(-1)
+        raw_keys, raw_values = self._valid_bytes(self._s.keys), self._valid_bytes(self._s.values)
         scales = {}
         if self.row_scales:
-            scales = {name: np.ascontiguousarray(np.stack([self._canonical(b, slice(None), n) for b in buffers]) if n
-                                                 else np.zeros(0, np.float32)).view(np.uint8).reshape(-1)
-                      for name, buffers in (("key_scales", self._s.key_scales), ("value_scales", self._s.value_scales))}
-            scales["row_scales"] = 1
+            scales = dict(row_scales=1, key_scales=self._valid_bytes(self._s.key_scales),
+                          value_scales=self._valid_bytes(self._s.value_scales))
         checksum = _checksum(header, raw_keys, raw_values, scales.get("key_scales"), scales.get("value_scales"))
         return build(SCHEMA, {**header, "keys": raw_keys, "values": raw_values, "checksum": checksum, **scales},
                      IDENTIFIER)
+
+    def _valid_bytes(self, buffers: list[np.ndarray]) -> np.ndarray:
+        """Every layer's valid tokens of one kind of buffer, canonical order, as contiguous bytes."""
+        n = self.num_tokens
+        if not n:
+            return np.zeros(0, np.uint8)
+        stacked = np.stack([self._canonical(b, slice(None), n) for b in buffers])
+        return np.ascontiguousarray(stacked).view(np.uint8).reshape(-1)
 
     def load(self, data: bytes) -> None:
         """Restore a serialized cache. Everything is checked first: on error this cache is unchanged."""
@@ -367,8 +371,8 @@ class KVCache:
             raise KVCacheError("serialized KV cache failed its checksum: the data is corrupted.")
         expected = dict(num_layers=self.num_layers, batch_size=self.batch_size, num_kv_heads=self.num_kv_heads,
                         head_dim=self.head_dim, dtype=str(self.dtype), row_scales=self.row_scales)
-        mismatched = {k: ({**header, "row_scales": row_scales}[k], v) for k, v in expected.items()
-                      if {**header, "row_scales": row_scales}[k] != v}
+        saved = {**header, "row_scales": row_scales}
+        mismatched = {k: (saved[k], v) for k, v in expected.items() if saved[k] != v}
         if mismatched:
             hint = (" The bundles' KV cache formats differ: load it into one converted with the same --kv-cache."
                     if "dtype" in mismatched or "row_scales" in mismatched else "")

@@ -140,9 +140,10 @@ class AttentionStats:
         return self.helper_chunks / self.chunks if self.chunks else 0.0
 
 
-def _host_arrays(query, keys, values, mask, key_scales=None, value_scales=None) -> tuple:
+def _host_arrays(query, keys, values, mask, num_kv_heads, key_scales=None, value_scales=None) -> tuple:
     """Contiguous float32 query and mask, keys and values of one of CACHE_DTYPES (others are read
-    as float32), the row scales as float32 or None; and the kernel's code for that format."""
+    as float32), the row scales as float32 or None (checked to hold num_kv_heads x the mask's last
+    axis); and the kernel's code for that format."""
     kv_dtype = np.asarray(keys).dtype
     if kv_dtype != np.asarray(values).dtype:
         raise ValueError(f"keys and values must have one dtype, not {kv_dtype} and {np.asarray(values).dtype}")
@@ -156,6 +157,10 @@ def _host_arrays(query, keys, values, mask, key_scales=None, value_scales=None) 
     if key_scales is None:
         return query, keys, values, mask, None, None, CACHE_DTYPES.index(kv_dtype)
     key_scales, value_scales = (np.ascontiguousarray(a, np.float32) for a in (key_scales, value_scales))
+    slots = mask.shape[-1]
+    if key_scales.size != num_kv_heads * slots or value_scales.size != key_scales.size:
+        raise ValueError(f"row scales of {key_scales.size} and {value_scales.size} elements do not fit "
+                         f"{num_kv_heads} KV heads x {slots} slots")
     return query, keys, values, mask, key_scales, value_scales, ROW_SCALES
 
 
@@ -216,11 +221,7 @@ class AttentionKernel:
         int8 forms, or float16), mask [S] float32 -> [H*D]. With int8 codes, `key_scales` and
         `value_scales` [KVH, S] give each row's scale (the `_int8_rows` form)."""
         query, keys, values, mask, key_scales, value_scales, cache_type = _host_arrays(
-            query, keys, values, mask, key_scales, value_scales)
-        if key_scales is not None and (key_scales.size != num_kv_heads * mask.size
-                                       or value_scales.size != key_scales.size):
-            raise ValueError(f"row scales of {key_scales.size} and {value_scales.size} elements do not fit "
-                             f"{num_kv_heads} KV heads x {mask.size} slots")
+            query, keys, values, mask, num_kv_heads, key_scales, value_scales)
         out = np.empty_like(query)
         pointers = (_pointer(a) for a in (query, keys, values, key_scales, value_scales, mask, out))
         status = self._lib.litekv_attention_run(ctypes.byref(self.config), *pointers,
@@ -235,7 +236,7 @@ class AttentionKernel:
         """The prefill op on host arrays: query [T, H*D], keys/values [S, KVH*D] (float32, int8
         codes or float16), mask [T, S] float32 -> [T, H*D]; row scales [KVH, S] as for `run`."""
         query, keys, values, mask, key_scales, value_scales, cache_type = _host_arrays(
-            query, keys, values, mask, key_scales, value_scales)
+            query, keys, values, mask, num_kv_heads, key_scales, value_scales)
         if mask.ndim != 2:
             raise ValueError(f"prefill attention rejected the shapes: mask {mask.shape} is not [T, S]")
         tokens, slots = mask.shape
@@ -244,9 +245,6 @@ class AttentionKernel:
                 or query.shape != (tokens, self.config.num_heads * self.config.head_dim)):
             raise ValueError(f"prefill attention rejected the shapes: query {query.shape}, keys {keys.shape}, values "
                              f"{values.shape}, mask {mask.shape} (want [T, H*D], [S, KVH*D] twice, [T, S])")
-        if key_scales is not None and (key_scales.size != num_kv_heads * slots or value_scales.size != key_scales.size):
-            raise ValueError(f"row scales of {key_scales.size} and {value_scales.size} elements do not fit "
-                             f"{num_kv_heads} KV heads x {slots} slots")
         out = np.empty_like(query)
         pointers = (_pointer(a) for a in (query, keys, values, key_scales, value_scales, mask, out))
         status = self._lib.litekv_prefill_attention_run(ctypes.byref(self.config), *pointers, tokens, num_kv_heads,

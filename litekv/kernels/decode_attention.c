@@ -158,7 +158,7 @@ INLINE void scale_rows(const Job *job, float *restrict rows_out, const float *sc
     const int d = job->head_dim;
     for (int r = 0; r < rows; r++)
         for (int kv = 0; kv < job->kv_heads; kv++) {
-            const float scale = scales[(size_t)kv * job->scale_stride + s0 + r];
+            const float scale = row_scale(scales, job->scale_stride, kv, s0 + r);
             float *x = rows_out + (size_t)r * job->row + (size_t)kv * d;
             for (int j = 0; j < d; j++) x[j] *= scale;
         }

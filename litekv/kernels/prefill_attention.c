@@ -71,7 +71,7 @@ INLINE const float *cache_rows(const PrefillJob *job, const void *cache, const f
         float *row = buffer + (size_t)i * d;
         widen(row, cache, cache_element_bytes(job->cache_type), at + (size_t)i * job->row, (size_t)d);
         if (scales) {
-            const float scale = scales[(size_t)kv * job->slots + first + i];
+            const float scale = row_scale(scales, job->slots, kv, first + i);
             for (int j = 0; j < d; j++) row[j] *= scale;
         }
     }
