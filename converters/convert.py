@@ -70,6 +70,9 @@ class ConvertOptions:
     # LiteRT prefill-chunk attention, the same choice. With the kernel a chunk reads only the slots its
     # rows see, so prefill needs no capacity buckets: one entry point per chunk length.
     prefill_attention: str | None = None
+    # LiteRT one-token steps' int4 / int8 linears: "kernel" (litekv's custom ops, on the threads of its
+    # attention kernel) or "graph" (FULLY_CONNECTED in XNNPACK). None: "graph".
+    decode_linears: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -119,6 +122,13 @@ class ConvertOptions:
             if self.backend == "onnx":
                 raise ConfigError(f"--{flag}-attention is a LiteRT option: ONNX Runtime's GroupQueryAttention "
                                   f"attends in the graph. Drop --{flag}-attention.")
+        if self.decode_linears is not None:
+            if self.decode_linears not in ATTENTION_KINDS:
+                raise ConfigError(f"unknown decode linears {self.decode_linears!r}; choose one of "
+                                  f"{', '.join(ATTENTION_KINDS)}.")
+            if self.backend == "onnx":
+                raise ConfigError("--decode-linears is a LiteRT option: ONNX Runtime runs its own MatMulNBits. "
+                                  "Drop --decode-linears.")
         QuantPlan.named(self.quantize, self.lm_head, self.embedding)  # validates the head/table choices
 
     @property
@@ -150,6 +160,12 @@ class ConvertOptions:
     def attention_kind(self) -> str:
         """The decode steps' attention."""
         return self._attention_kind(self.decode_attention)
+
+    @property
+    def linears_kind(self) -> str:
+        """The decode steps' quantized linears: "kernel" only where some weight is int4 or int8."""
+        quantized = {self.plan.weights, self.plan.lm_head} & {"int4", "int8"}
+        return "kernel" if self.backend == "litert" and quantized and self.decode_linears == "kernel" else "graph"
 
     @property
     def prefill_attention_kind(self) -> str:
@@ -315,7 +331,8 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
                              progress=lambda name, n=iter(range(1, len(sigs) + 1)): tick(next(n), len(sigs), name),
                              decode_attention=options.attention_kind,
                              prefill_attention=options.prefill_attention_kind, kv_scales=kv_scales,
-                             kv_dtype=options.kv_dtype, kv_row_scales=options.kv_row_scales)
+                             kv_dtype=options.kv_dtype, kv_row_scales=options.kv_row_scales,
+                             decode_linears=options.linears_kind)
         writer.write(staging / "model.tflite")
         bar.stage("writing model.tflite")(1, 1, f"{writer.data_bytes / 1e6:.0f} MB of weights")
         infos = tuple(SignatureInfo(s.name, "sampler" if s.sampler else ("decode" if s.tokens == 1 and s.logits
@@ -365,6 +382,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         lora_groups={name: [list(parts), list(targets)] for name, (parts, targets) in groups.items()},
         lora_layout=lora_layout, decode_attention=options.attention_kind,
         prefill_attention=options.prefill_attention_kind,
+        decode_linears=options.linears_kind if options.backend == "litert" else "graph",
     )
 
 
@@ -403,6 +421,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="LiteRT prefill-chunk attention: kernel (default; litekv's custom op, which reads only "
                         "the slots a chunk sees, so one entry point per chunk length serves every context) or graph "
                         "(builtin ops, one entry point per chunk length and capacity)")
+    parser.add_argument("--decode-linears", choices=ATTENTION_KINDS,
+                        help="LiteRT one-token steps' int4 and int8 linears: graph (default; XNNPACK's "
+                        "FULLY_CONNECTED) or kernel (litekv's custom ops, on the threads of its attention kernel; "
+                        "prefill keeps XNNPACK and the weights are stored once)")
 
 
 def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
@@ -421,7 +443,7 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
         kv_buckets=_ints(args.kv_buckets, "--kv-buckets"),
         decode_buckets=_ints(args.decode_buckets, "--decode-buckets"), lm_head=args.lm_head, embedding=args.embedding,
         sampler=not args.no_sampler, kv_cache=args.kv_cache, decode_attention=args.decode_attention,
-        prefill_attention=args.prefill_attention,
+        prefill_attention=args.prefill_attention, decode_linears=args.decode_linears,
     )
 
 

@@ -9,7 +9,9 @@ under the same names (written by DYNAMIC_UPDATE_SLICE, so one buffer can be boun
 `logits` [1,1,V] (decode). One more entry point, `sampler`, takes a decode's `logits` and the
 sampler inputs and returns `next_token` int32 [1]. By default attention is a custom op of
 litekv.native_attention: `litekv.decode_attention` for a decode, `litekv.prefill_attention` for a
-prefill chunk; decode_attention / prefill_attention="graph" keep builtin ops only.
+prefill chunk; decode_attention / prefill_attention="graph" keep builtin ops only. With
+decode_linears="kernel" a one-token step's int4 and int8 projections are custom ops too
+(`litekv.linear_int4` / `litekv.linear_int8`) that read the buffers prefill's FULLY_CONNECTED ops use.
 With `kv_scales` (converters.kv_calibration) the cache tensors are int8 codes of K/V / scale, one
 static scale per (layer, KV head, channel): new rows are quantized in the graph, the kernels' int8
 forms read the codes, and builtin-op attention dequantizes the cache it reads. With
@@ -27,6 +29,7 @@ from litekv.bundle import SAMPLER_INPUTS
 from litekv.errors import ConfigError
 from litekv.models.base import architecture
 from litekv.models.config import ModelConfig, RopeConfig
+from litekv.native_attention import ROPE_OP_NAME, linear_op_name
 from litekv.native_attention import op_name as attention_op_name
 
 from .graph_ops import GraphOps, LoraSpec, Signature, Sym, rope_tables
@@ -62,6 +65,10 @@ class TFLiteWeights:
             else:
                 self._consts[name] = self.writer.add_constant(ops.stacked(parts), name, "float32")
         return self._consts[name]
+
+    def row_scales(self, name: str, const: Constant) -> Constant:
+        """A per-channel int8 constant's scales as a float32 [out] constant, for a kernel to read."""
+        return self.dense(f"{name}.row_scales", np.asarray(const.quant.scales, np.float32))
 
     def int8(self, name: str, w: np.ndarray) -> Constant:
         """w [out, in] as int8 codes with one scale per output row."""
@@ -102,8 +109,10 @@ class TFLiteOps(GraphOps):
     def __init__(self, cfg: ModelConfig, store: TFLiteWeights, sg: SubgraphBuilder, sig: Signature,
                  lora: LoraSpec | None, tables, decode_attention: str = "kernel",
                  kv_scales: tuple[np.ndarray, np.ndarray] | None = None, prefill_attention: str = "kernel",
-                 kv_dtype: str = "float32", kv_row_scales: bool = False):
+                 kv_dtype: str = "float32", kv_row_scales: bool = False, decode_linears: str = "graph"):
         super().__init__(cfg, store.weights, store.plan, sig, lora, tables, store.quant_cache)
+        # one-token steps' int4 / int8 projections in litekv's linear kernels
+        self.kernel_linears = decode_linears == "kernel" and sig.tokens == 1
         self.store = store
         self.decode_attention = decode_attention  # "kernel": litekv's custom op; "graph": builtin ops
         self.prefill_attention = prefill_attention  # the same, for chunks of more than one token
@@ -204,6 +213,10 @@ class TFLiteOps(GraphOps):
                              (1, self.sig.tokens, 1, 2 * t.shape[1]))
                 for t in (cos, sin))
         cos, sin = self._full_rope[rope]
+        if self.kernel_linears:  # XNNPACK's matmul would wake its worker, which the linears' helper then waits for
+            out = self._new(x.shape)
+            self.sg.custom_op(ROPE_OP_NAME, [x.ref, cos.ref, sin.ref], [out.ref])
+            return out
         rotated = self.matmul_const(x, f"rope.rotate_half.{x.shape[-1]}", rotate_half_matrix(x.shape[-1]))
         return self.binary("add", self.binary("mul", x, cos), self.binary("mul", rotated, sin))
 
@@ -215,6 +228,27 @@ class TFLiteOps(GraphOps):
 
     def matmul_const(self, x: Sym, name: str, w: np.ndarray) -> Sym:
         return self._matmul_by(x, self.store.dense(name, w))
+
+    def project(self, x: Sym, name: str, parts: Sequence[str]) -> Sym:
+        fmt = self.plan.format_for(name)
+        if not self.kernel_linears or fmt not in ("int4", "int8"):
+            return super().project(x, name, parts)
+        weight = self.store.matmul(name, parts, self)  # the constant prefill's FULLY_CONNECTED reads
+        out_dim, in_dim = weight.shape
+
+        def view(const: Constant, shape: tuple, dtype: str) -> int:
+            # the same buffer as another tensor type, without its quantization: the kernel reads bytes
+            return self.sg.use(Constant(const.buffer, shape, dtype, f"{const.name}.{dtype}"))
+
+        if fmt == "int4":
+            offsets = self.store.int8(f"{name}.offsets", self.int4_weights(name, parts)[2])
+            inputs = [view(weight, (out_dim, in_dim // 2), "uint8"), self.sg.use(weight.quant.scales),
+                      view(offsets, offsets.shape, "int8"), self.sg.use(self.store.row_scales(offsets.name, offsets))]
+        else:
+            inputs = [view(weight, weight.shape, "int8"), self.sg.use(self.store.row_scales(name, weight))]
+        y = self._new((*x.shape[:-1], out_dim))
+        self.sg.custom_op(linear_op_name(fmt), [x.ref, *inputs], [y.ref])
+        return y
 
     def block_offsets(self, sums: Sym, name: str, offsets: np.ndarray) -> Sym:
         # int8 codes per output row: a quarter of the float bytes (13 MB per SmolLM2 step in fp32).
@@ -437,7 +471,7 @@ def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: Quant
                 progress: Callable[[str], None] | None = None, decode_attention: str = "kernel",
                 kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
                 prefill_attention: str = "kernel", kv_dtype: str = "float32",
-                kv_row_scales: bool = False) -> TFLiteModelWriter:
+                kv_row_scales: bool = False, decode_linears: str = "graph") -> TFLiteModelWriter:
     """Trace every signature of the architecture into one TFLite model (not yet written).
 
     decode_attention: "kernel" runs one-token attention in litekv's custom op, "graph" in builtin ops;
@@ -445,7 +479,8 @@ def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: Quant
     kv_scales: (keys, values) [layers, KVH, D] static scales of an int8 KV cache; None: kv_dtype, float32
     or float16.
     kv_row_scales: an int8 cache whose codes have a scale per token and KV head, computed as rows are
-    written (needs litekv's attention kernel)."""
+    written (needs litekv's attention kernel).
+    decode_linears: "kernel" runs one-token steps' int4 and int8 projections in litekv's custom ops."""
     weights = dict(weights)
     weights.setdefault("lm_head.weight", weights["embed.weight"])
     writer = TFLiteModelWriter(description=f"litekv {cfg.architecture}")
@@ -455,7 +490,7 @@ def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: Quant
     groups = {}
     for sig in signatures:
         ops = TFLiteOps(cfg, store, writer.add_signature(sig.name), sig, lora, tables, decode_attention, kv_scales,
-                        prefill_attention, kv_dtype, kv_row_scales)
+                        prefill_attention, kv_dtype, kv_row_scales, decode_linears)
         if sig.sampler:
             ops.sampler()
         else:

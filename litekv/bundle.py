@@ -24,8 +24,9 @@ FORMAT = "litekv-bundle"
 # Versions before 6 read as "graph".
 # 7: the KV cache may be float16 (`kv_dtype`), read by the kernels' f16 forms (ONNX: GroupQueryAttention in float16).
 # 8: a TFLite int8 KV cache may have a scale per row (`kv_row_scales`), read by the kernels' int8_rows forms.
-VERSION = 8
-READABLE_VERSIONS = (3, 4, 5, 6, 7, 8)
+# 9: TFLite one-token steps may run their quantized linears in litekv's custom ops (`decode_linears`).
+VERSION = 9
+READABLE_VERSIONS = (3, 4, 5, 6, 7, 8, 9)
 ATTENTION_KINDS = ("kernel", "graph")
 SAMPLER_SIGNATURE = "sampler"
 # The sampler graph's scalar inputs, each of shape [1], in order: (name, dtype).
@@ -83,10 +84,14 @@ class Manifest:
     prefill_attention: str = "graph"
     # int8 cache codes with a scale per token and KV head (tensors kv_scale_<k|v>_<layer>, [1, KVH, S])
     kv_row_scales: bool = False
+    # TFLite one-token steps' int4 and int8 linears: "kernel" (litekv.linear_int4 / linear_int8, reading
+    # the weights prefill's FULLY_CONNECTED ops use) or "graph" (FULLY_CONNECTED in XNNPACK)
+    decode_linears: str = "graph"
 
     @property
     def uses_attention_kernel(self) -> bool:
-        return "kernel" in (self.decode_attention, self.prefill_attention)
+        """Whether the model calls litekv's kernel library: its attention, or its linears."""
+        return "kernel" in (self.decode_attention, self.prefill_attention, self.decode_linears)
 
     def signature(self, name: str) -> SignatureInfo:
         for sig in self.signatures:
@@ -123,7 +128,7 @@ class Manifest:
             manifest = cls(**data)
         except (KeyError, TypeError) as e:
             raise BundleError(f"{where}: the manifest is incomplete ({e}); reconvert the model.") from e
-        for key in ("decode_attention", "prefill_attention"):
+        for key in ("decode_attention", "prefill_attention", "decode_linears"):
             if getattr(manifest, key) not in ATTENTION_KINDS:
                 raise BundleError(f"{where}: unknown {key} {getattr(manifest, key)!r}; reconvert the model.")
         if manifest.kv_dtype not in KV_CACHE_DTYPES.values():
@@ -134,6 +139,9 @@ class Manifest:
                                        or manifest.kv_buckets != (manifest.max_context,)):
             raise BundleError(f"{where}: a KV cache with row scales must be int8 on LiteRT with litekv's attention "
                               "kernels, at one capacity; reconvert the model.")
+        if manifest.decode_linears == "kernel" and manifest.backend != "litert":
+            raise BundleError(f"{where}: litekv's linear kernels are LiteRT custom ops, and this is a "
+                              f"{manifest.backend} bundle; reconvert the model.")
         return manifest
 
 

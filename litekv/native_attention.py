@@ -7,7 +7,8 @@ their manifest (`decode_attention` / `prefill_attention: "kernel"`); without the
 cannot run, and `--decode-attention graph --prefill-attention graph` converts a bundle that needs
 nothing beyond LiteRT's builtin ops. Bundles with an int8 or a float16 KV cache use the ops' `_int8`
 or `_f16` forms, and an int8 cache with a scale per row their `_int8_rows` forms, which take the
-keys' and values' scales as two more inputs.
+keys' and values' scales as two more inputs. The same library has one-token linears over int4 and
+int8 weights and the rotary embedding (`--decode-linears kernel`), sharing the attention's threads.
 """
 from __future__ import annotations
 
@@ -38,8 +39,18 @@ ROW_SCALES = KV_FORMATS.index("int8_rows")
 _FORMS = {OP_NAME: (0, False), OP_NAME_INT8: (1, False), OP_NAME_F16: (2, False), OP_NAME_INT8_ROWS: (3, False),
           PREFILL_OP_NAME: (0, True), PREFILL_OP_NAME_INT8: (1, True), PREFILL_OP_NAME_F16: (2, True),
           PREFILL_OP_NAME_INT8_ROWS: (3, True)}
+# One-token linears over quantized weights (kernels/linear.c), taking their rows with the same helper
+# thread, so a decode step's parallel work never waits for XNNPACK's worker: op name -> LinearFormat
+LINEAR_OP_NAMES = {"litekv.linear_int4": 0, "litekv.linear_int8": 1}  # linear.h's LINEAR_INT4, LINEAR_INT8
+# A decode step's rotary embedding beside them: in XNNPACK its matmul would wake XNNPACK's worker.
+ROPE_OP_NAME = "litekv.rope"
 OP_VERSION = 1
 _MODULE = "litekv._decode_attention"
+
+
+def linear_op_name(weights: str) -> str:
+    """The custom op a graph calls for a one-token linear over "int4" or "int8" weights."""
+    return f"litekv.linear_{weights}"
 
 
 def op_name(kv_format: str, prefill: bool) -> str:
@@ -97,8 +108,15 @@ def _load() -> ctypes.CDLL:
                     try:
                         lib.litekv_prefill_attention_run.restype = ctypes.c_int
                         lib.litekv_prefill_attention_run.argtypes = lib.litekv_attention_run.argtypes
-                    except AttributeError:  # a library built before the prefill kernel
-                        _load_error = f"{spec.origin} is out of date (no prefill kernel); reinstall litekv"
+                        lib.litekv_linear_kernel.argtypes = [ctypes.POINTER(CustomOpKernel), ctypes.c_int]
+                        lib.litekv_linear_kernel.restype = ctypes.c_int
+                        lib.litekv_rope_kernel.argtypes = [ctypes.POINTER(CustomOpKernel)]
+                        lib.litekv_rope_kernel.restype = ctypes.c_int
+                        lib.litekv_linear_run.restype = ctypes.c_int
+                        lib.litekv_linear_run.argtypes = [ctypes.POINTER(AttentionConfig), ctypes.c_int,
+                                                          *[ctypes.c_void_p] * 6, *[ctypes.c_int] * 4]
+                    except AttributeError:  # a library built before the prefill kernel or the linears
+                        _load_error = f"{spec.origin} is out of date (no prefill or linear kernel); reinstall litekv"
                     else:
                         _library = lib
     if _library is None:
@@ -196,9 +214,15 @@ class AttentionKernel:
         lib = _load()
         self._lib = lib
         # One config (scratch, helper thread) serves every op: a model uses the pair for its cache type.
-        self.kernels = {name: CustomOpKernel() for name in _FORMS}
+        self.kernels = {name: CustomOpKernel() for name in (*_FORMS, *LINEAR_OP_NAMES, ROPE_OP_NAME)}
         for name, kernel in self.kernels.items():
-            if lib.litekv_attention_kernel(ctypes.byref(kernel), *map(int, _FORMS[name])) != 0:
+            if name == ROPE_OP_NAME:
+                status = lib.litekv_rope_kernel(ctypes.byref(kernel))
+            elif name in LINEAR_OP_NAMES:
+                status = lib.litekv_linear_kernel(ctypes.byref(kernel), LINEAR_OP_NAMES[name])
+            else:
+                status = lib.litekv_attention_kernel(ctypes.byref(kernel), *map(int, _FORMS[name]))
+            if status != 0:
                 raise MissingDependency(f"the attention library has no {name} form; reinstall litekv")
         entry = (lambda name: ctypes.cast(getattr(litert, name), ctypes.c_void_p)) if litert else (lambda name: None)
         self.config = AttentionConfig(
@@ -252,6 +276,39 @@ class AttentionKernel:
         if status != 0:
             raise ValueError(f"prefill attention rejected the shapes (status {status})")
         return out
+
+    def run_linear(self, x: np.ndarray, codes: np.ndarray, row_scales: np.ndarray,
+                   block_scales: np.ndarray | None = None, offsets: np.ndarray | None = None) -> np.ndarray:
+        """The linear ops on host arrays: x [tokens, in] float32 -> [tokens, out].
+
+        int8 (`litekv.linear_int8`): codes int8 [out, in], row_scales [out]. int4
+        (`litekv.linear_int4`): codes uint8 [out, in/2], two's-complement nibbles with the even
+        element low; block_scales float16 [out, blocks]; offsets int8 [out, blocks]; row_scales [out],
+        the offsets' scale."""
+        x = np.ascontiguousarray(x, np.float32)
+        int4 = block_scales is not None
+        codes = np.ascontiguousarray(codes, np.uint8 if int4 else np.int8)
+        row_scales = np.ascontiguousarray(row_scales, np.float32)
+        out = row_scales.size
+        tokens, width = x.shape
+        if codes.shape != (out, width // 2 if int4 else width) or (int4 and offsets is None):
+            raise ValueError(f"linear rejected the shapes: x {x.shape}, codes {codes.shape}, {out} row scales")
+        block = 0
+        if int4:
+            block_scales = np.ascontiguousarray(block_scales, np.float16)
+            offsets = np.ascontiguousarray(offsets, np.int8)
+            if block_scales.ndim != 2 or block_scales.shape[0] != out or offsets.shape != block_scales.shape:
+                raise ValueError(f"linear rejected the shapes: block scales {block_scales.shape}, offsets "
+                                 f"{offsets.shape} for {out} rows")
+            block = width // block_scales.shape[1]
+        y = np.empty((tokens, out), np.float32)
+        status = self._lib.litekv_linear_run(ctypes.byref(self.config), LINEAR_OP_NAMES["litekv.linear_int4" if int4
+                                                                                        else "litekv.linear_int8"],
+                                             *(_pointer(a) for a in (x, y, codes, block_scales, offsets, row_scales)),
+                                             tokens, width, out, block)
+        if status != 0:
+            raise ValueError(f"linear rejected the shapes (status {status})")
+        return y
 
     def stats(self) -> AttentionStats:
         """Counters since this registration was made; read them between model calls."""

@@ -22,6 +22,10 @@
  * none is left: the helper starts 15-25 us after it is signalled here (XNNPACK's worker spins on the
  * other core for that long after its last task, however the graph ends before this op), so a fixed
  * half for it would leave the caller waiting. Between calls the helper polls, then sleeps.
+ *
+ * The same registration serves "litekv.linear_int4" / "litekv.linear_int8" (linear.c: a decode
+ * step's quantized projections, their rows shared by the same two threads) and "litekv.rope"
+ * (rope.c), so that a step built with them gives XNNPACK's worker nothing to wake for.
  */
 #define _GNU_SOURCE /* pthread_setname_np */
 #include <math.h>
@@ -36,6 +40,7 @@
 #include <time.h>
 
 #include "attention_common.h"
+#include "linear.h"
 
 #ifndef IDLE_SECONDS
 #define IDLE_SECONDS 0.002
@@ -83,6 +88,8 @@ typedef struct {
     void *state; /* owned by this library: scratch and the helper thread */
 } AttentionConfig;
 
+enum { TASK_DECODE, TASK_PREFILL, TASK_LINEAR };
+
 typedef struct {
     float *scores;         /* [heads][max_slots] */
     float *acc, *max, *sum; /* [max_parts][heads * D], [max_parts][heads] x 2 */
@@ -91,23 +98,27 @@ typedef struct {
     Digits digits;
     Part *parts;           /* [max_parts] */
     int max_slots, max_parts, int8_dot;
+    int vector_linears; /* the linears' VNNI path allowed (AttentionConfig.int8_dot) */
     pthread_t helper;
     pthread_mutex_t lock;
     pthread_cond_t wake;
     atomic_int stop;
     uint64_t calls;
     Job job;
-    PrefillJob prefill;     /* the call's job when prefill_active */
-    int prefill_active;
+    PrefillJob prefill;     /* the call's job when kind == TASK_PREFILL */
+    LinearJob linear;       /* ... TASK_LINEAR */
+    int kind;
+    void *linear_scratch;   /* the activations as linear_prepare writes them, grown to the widest call */
+    size_t linear_scratch_bytes;
     float *prefill_scratch[2]; /* the caller's and the helper's, made at the first prefill call */
     int helper_running;
     /* What the threads write while the other reads: each on its own cache line, away from the job
      * (a shared line would bounce between the cores on every access to the job's fields). */
     _Alignas(64) atomic_int generation;
     _Atomic double signalled; /* seconds() when the caller offered the latest call's chunks */
-    /* the chunks on offer: call number << 40 | chunk count << 20 | next chunk. A thread takes a
-     * chunk by advancing `next` with a compare-and-swap, so a thread holding an old value can never
-     * take a chunk of a later call. */
+    /* the chunks on offer: call number << 40 | end << 20 | next chunk, chunks [next, end) left. A
+     * thread takes a chunk by advancing `next` (or, the helper in a linear, lowering `end`) with a
+     * compare-and-swap, so a thread holding an old value can never take a chunk of a later call. */
     _Alignas(64) _Atomic uint64_t ticket;
     _Alignas(64) atomic_int completed;
     /* Counters for litekv_attention_stats: the caller's, then the helper's on its own line. */
@@ -338,10 +349,16 @@ static double seconds(void) {
  * The helper counts its chunks, and the call as joined `delay` seconds after the offer, before it
  * reports each chunk complete: when the caller returns, the counters include the whole call. */
 static uint64_t take_chunks(State *st, bool helper, double delay) {
+    /* In a linear the helper takes rows from the end, so each thread streams its own span of the
+     * weights: taken in turn, the chunks of a 4,096 x 576 int8 linear read at 40 GB/s from memory,
+     * split at 57-59 (bench/PERFORMANCE.md, fifteenth round). */
+    const bool from_end = helper && st->kind == TASK_LINEAR;
     uint64_t t = atomic_load_explicit(&st->ticket, memory_order_acquire), taken = 0;
     while ((t & TICKET_FIELD) < ((t >> 20) & TICKET_FIELD)) {
-        if (atomic_compare_exchange_weak_explicit(&st->ticket, &t, t + 1, memory_order_acq_rel, memory_order_acquire)) {
-            if (helper && !st->prefill_active) {
+        const uint64_t next = from_end ? t - ((uint64_t)1 << 20) : t + 1;
+        if (atomic_compare_exchange_weak_explicit(&st->ticket, &t, next, memory_order_acq_rel, memory_order_acquire)) {
+            const int task = (int)(from_end ? ((t >> 20) & TICKET_FIELD) - 1 : t & TICKET_FIELD);
+            if (helper && st->kind == TASK_DECODE) {
                 if (!taken) {
                     atomic_fetch_add_explicit(&st->stat_helper_joins, 1, memory_order_relaxed);
                     atomic_fetch_add_explicit(&st->stat_helper_delay_nanoseconds, (uint64_t)(1e9 * delay),
@@ -349,10 +366,12 @@ static uint64_t take_chunks(State *st, bool helper, double delay) {
                 }
                 atomic_fetch_add_explicit(&st->stat_helper_chunks, 1, memory_order_relaxed);
             }
-            if (st->prefill_active)
-                prefill_task(&st->prefill, (int)(t & TICKET_FIELD), st->prefill_scratch[helper]);
+            if (st->kind == TASK_PREFILL)
+                prefill_task(&st->prefill, task, st->prefill_scratch[helper]);
+            else if (st->kind == TASK_LINEAR)
+                linear_task(&st->linear, task);
             else
-                attend_part(&st->job, &st->parts[t & TICKET_FIELD]);
+                attend_part(&st->job, &st->parts[task]);
             atomic_fetch_add_explicit(&st->completed, 1, memory_order_release);
             t = atomic_load_explicit(&st->ticket, memory_order_acquire);
             taken++;
@@ -433,7 +452,7 @@ static void compute(State *st, Job *job, int slots, float *out) {
         for (int i = 0; i < count; i++) attend_part(job, &st->parts[i]);
     } else {
         st->job = *job;
-        st->prefill_active = 0;
+        st->kind = TASK_DECODE;
         share(st, count);
     }
     merge(job, st->parts, count, out);
@@ -473,7 +492,28 @@ static Status compute_prefill(State *st, const PrefillJob *job) {
         for (int i = 0; i < count; i++) prefill_task(job, i, st->prefill_scratch[0]);
     } else {
         st->prefill = *job;
-        st->prefill_active = 1;
+        st->kind = TASK_PREFILL;
+        share(st, count);
+    }
+    return STATUS_OK;
+}
+
+/* A one-token linear: the activations prepared once, then its rows shared between the threads. */
+static Status compute_linear(State *st, LinearJob *job) {
+    const size_t bytes = linear_scratch_bytes(job);
+    if (bytes > st->linear_scratch_bytes) { /* once per model: the widest input and the most tokens */
+        void *grown = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (!grown) return STATUS_RUNTIME_FAILURE;
+        free(st->linear_scratch);
+        st->linear_scratch = grown, st->linear_scratch_bytes = bytes;
+    }
+    linear_prepare(job, st->vector_linears ? st->linear_scratch : NULL); /* no scratch: the portable path */
+    const int count = linear_tasks(job);
+    if (!st->helper_running || count == 1) {
+        for (int i = 0; i < count; i++) linear_task(job, i);
+    } else {
+        st->linear = *job;
+        st->kind = TASK_LINEAR;
         share(st, count);
     }
     return STATUS_OK;
@@ -484,6 +524,7 @@ static State *state_create(int heads, int head_dim, int max_slots, int threads, 
     if (!st) return NULL;
     const size_t width = (size_t)heads * head_dim;
     st->max_slots = max_slots;
+    st->vector_linears = int8_dot;
     const int smallest = CHUNK_SLOTS < FLOAT_CHUNK_SLOTS ? CHUNK_SLOTS : FLOAT_CHUNK_SLOTS;
     st->max_parts = (max_slots + smallest - 1) / smallest;
 #if LITEKV_INT8_DOT
@@ -533,7 +574,7 @@ static void state_destroy(State *st) {
     pthread_mutex_destroy(&st->lock);
     pthread_cond_destroy(&st->wake);
     free(st->scores), free(st->acc), free(st->max), free(st->parts), free(st->numerators), free(st->digit_bytes);
-    free(st->prefill_scratch[0]), free(st->prefill_scratch[1]);
+    free(st->prefill_scratch[0]), free(st->prefill_scratch[1]), free(st->linear_scratch);
     free(st);
 }
 
@@ -694,6 +735,99 @@ static Status op_run_prefill_int8_rows(void *user_data, size_t num_inputs, void 
     return run_prefill(user_data, num_inputs, inputs, num_outputs, outputs, CACHE_I8_ROWS);
 }
 
+/* ---- the one-token linears' callbacks --------------------------------------------------------- */
+
+/* "litekv.linear_int4": x [.., in], codes uint8 [out, in/2], block scales float16 [out, blocks],
+ * offsets int8 [out, blocks], offset scales float32 [out]. "litekv.linear_int8": x, codes int8
+ * [out, in], row scales float32 [out]. Output [.., out]. */
+static Status linear_output_layouts(void *user_data, size_t num_inputs, const Layout *inputs, size_t num_outputs,
+                                    Layout *outputs) {
+    (void)user_data;
+    if ((num_inputs != 3 && num_inputs != 5) || num_outputs != 1 || inputs[0].rank < 1 || inputs[1].rank != 2)
+        return STATUS_INVALID_ARGUMENT;
+    outputs[0] = inputs[0];
+    outputs[0].has_strides = false;
+    outputs[0].dimensions[inputs[0].rank - 1] = inputs[1].dimensions[0];
+    return STATUS_OK;
+}
+
+/* The job from the buffers' sizes alone (a run sees no shapes): `out` is the row scales' count. */
+static Status linear_job(LinearJob *job, int format, const float *x, size_t nx, const void *codes, size_t ncodes,
+                         const uint16_t *block_scales, size_t nblock_scales, const int8_t *offsets, size_t noffsets,
+                         const float *row_scales, size_t out, float *y, size_t ny) {
+    if (out == 0 || ncodes % out) return STATUS_INVALID_ARGUMENT;
+    const size_t in = format == LINEAR_INT4 ? 2 * (ncodes / out) : ncodes / out;
+    if (in == 0 || nx % in || ny != nx / in * out || nx / in > INT32_MAX || in > INT32_MAX || out > INT32_MAX)
+        return STATUS_INVALID_ARGUMENT;
+    size_t block = 0;
+    if (format == LINEAR_INT4) {
+        const size_t blocks = nblock_scales / out;
+        if (blocks == 0 || nblock_scales != blocks * out || noffsets != nblock_scales || in % blocks)
+            return STATUS_INVALID_ARGUMENT;
+        block = in / blocks;
+    }
+    *job = (LinearJob){x, y, codes, block_scales, offsets, row_scales, format, (int)(nx / in), (int)in, (int)out,
+                       (int)block, 0, 0, NULL, 0};
+    return linear_check(job) ? STATUS_INVALID_ARGUMENT : STATUS_OK;
+}
+
+static Status linear_run(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
+                         void **outputs, int format) {
+    AttentionConfig *cfg = user_data;
+    const size_t expected = format == LINEAR_INT4 ? 5 : 3;
+    if (!cfg->state || num_inputs != expected || num_outputs != 1) return STATUS_INVALID_ARGUMENT;
+    void *x, *codes, *y, *row_scales, *block_scales = NULL, *offsets = NULL;
+    size_t nx, ncodes, ny, nrow, nblock = 0, noffsets = 0;
+    if (buffer(cfg, inputs[0], &x, &nx, sizeof(float)) || buffer(cfg, inputs[1], &codes, &ncodes, 1) ||
+        buffer(cfg, inputs[expected - 1], &row_scales, &nrow, sizeof(float)) ||
+        buffer(cfg, outputs[0], &y, &ny, sizeof(float)))
+        return STATUS_RUNTIME_FAILURE;
+    if (format == LINEAR_INT4 && (buffer(cfg, inputs[2], &block_scales, &nblock, sizeof(uint16_t)) ||
+                                  buffer(cfg, inputs[3], &offsets, &noffsets, 1)))
+        return STATUS_RUNTIME_FAILURE;
+    LinearJob job;
+    Status status = linear_job(&job, format, x, nx, codes, ncodes, block_scales, nblock, offsets, noffsets, row_scales,
+                               nrow, y, ny);
+    return status == STATUS_OK ? compute_linear(cfg->state, &job) : status;
+}
+
+static Status op_run_linear_int4(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
+                                 void **outputs) {
+    return linear_run(user_data, num_inputs, inputs, num_outputs, outputs, LINEAR_INT4);
+}
+
+static Status op_run_linear_int8(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
+                                 void **outputs) {
+    return linear_run(user_data, num_inputs, inputs, num_outputs, outputs, LINEAR_INT8);
+}
+
+/* "litekv.rope": x [.., T, H, D], cos and sin [.., T, 1, D] -> [.., T, H, D]. */
+static Status rope_output_layouts(void *user_data, size_t num_inputs, const Layout *inputs, size_t num_outputs,
+                                  Layout *outputs) {
+    (void)user_data;
+    if (num_inputs != 3 || num_outputs != 1) return STATUS_INVALID_ARGUMENT;
+    outputs[0] = inputs[0];
+    outputs[0].has_strides = false;
+    return STATUS_OK;
+}
+
+static Status op_run_rope(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
+                          void **outputs) {
+    AttentionConfig *cfg = user_data;
+    void *x, *cos, *sin, *out;
+    size_t nx, ncos, nsin, nout;
+    if (num_inputs != 3 || num_outputs != 1) return STATUS_INVALID_ARGUMENT;
+    if (buffer(cfg, inputs[0], &x, &nx, sizeof(float)) || buffer(cfg, inputs[1], &cos, &ncos, sizeof(float)) ||
+        buffer(cfg, inputs[2], &sin, &nsin, sizeof(float)) || buffer(cfg, outputs[0], &out, &nout, sizeof(float)))
+        return STATUS_RUNTIME_FAILURE;
+    const size_t dim = (size_t)cfg->head_dim, tokens = ncos / (dim ? dim : 1);
+    if (dim == 0 || dim % 2 || ncos != nsin || ncos % dim || tokens == 0 || nx != nout || nx % (tokens * dim) ||
+        nx / dim > INT32_MAX)
+        return STATUS_INVALID_ARGUMENT;
+    rope_apply(x, cos, sin, out, (int)tokens, (int)(nx / (tokens * dim)), (int)dim);
+    return STATUS_OK;
+}
+
 static Status op_destroy(void *user_data) {
     (void)user_data; /* the state lives until litekv_attention_release: entry points share it */
     return STATUS_OK;
@@ -719,6 +853,42 @@ int litekv_attention_kernel(Kernel *kernel, int cache_type, int prefill) {
     kernel->run = prefill ? prefill_runs[cache_type] : decode_runs[cache_type];
     kernel->destroy = (void *)op_destroy;
     return STATUS_OK;
+}
+
+/* The callbacks of "litekv.linear_int4" or "litekv.linear_int8" (`format`, a LINEAR_ value),
+ * sharing the attention ops' state: the same helper thread takes their rows. */
+int litekv_linear_kernel(Kernel *kernel, int format) {
+    if (format != LINEAR_INT4 && format != LINEAR_INT8) return STATUS_INVALID_ARGUMENT;
+    kernel->init = (void *)op_init;
+    kernel->output_layouts = (void *)linear_output_layouts;
+    kernel->run = format == LINEAR_INT4 ? (void *)op_run_linear_int4 : (void *)op_run_linear_int8;
+    kernel->destroy = (void *)op_destroy;
+    return STATUS_OK;
+}
+
+/* The callbacks of "litekv.rope" (head_dim from the registration). */
+int litekv_rope_kernel(Kernel *kernel) {
+    kernel->init = (void *)op_init;
+    kernel->output_layouts = (void *)rope_output_layouts;
+    kernel->run = (void *)op_run_rope;
+    kernel->destroy = (void *)op_destroy;
+    return STATUS_OK;
+}
+
+/* A linear on host arrays, with the registration's state (tests, benchmarks): x [tokens][in], y
+ * [tokens][out], the weights as the ops take them (block_scales and offsets NULL for int8). */
+int litekv_linear_run(AttentionConfig *cfg, int format, const float *x, float *y, const void *codes,
+                      const uint16_t *block_scales, const int8_t *offsets, const float *row_scales, int tokens, int in,
+                      int out, int block) {
+    if (tokens <= 0 || in <= 0 || out <= 0 || (format == LINEAR_INT4 && (block <= 0 || in % block)))
+        return STATUS_INVALID_ARGUMENT;
+    if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
+    const size_t n_out = (size_t)out, blocks = format == LINEAR_INT4 ? (size_t)(in / block) * n_out : 0;
+    const size_t ncodes = format == LINEAR_INT4 ? n_out * (size_t)in / 2 : n_out * (size_t)in;
+    LinearJob job;
+    Status status = linear_job(&job, format, x, (size_t)tokens * in, codes, ncodes, block_scales, blocks, offsets,
+                               blocks, row_scales, n_out, y, (size_t)tokens * n_out);
+    return status == STATUS_OK ? compute_linear(cfg->state, &job) : status;
 }
 
 /* Whether int8 caches get integer dot products on this CPU (AttentionConfig.int8_dot). */

@@ -1,0 +1,299 @@
+/* One-token linears over int4 and int8 weights (linear.h).
+ *
+ * A decode step reads every weight once, so the kernel has to keep up with the memory: about 45
+ * GB/s here, 23 bytes a nanosecond. XNNPACK's int4 path reached about 21 GB/s in the model (its
+ * arithmetic, bench/PERFORMANCE.md), and the int4 offsets cost it two more small matmuls per
+ * projection. Here, with AVX-512 VNNI:
+ * - The activations are quantized once per call to int8, a scale per block of 32 (Prepared).
+ * - int4: a 64-byte load holds 128 codes, 4 blocks of 32. XOR 0x88 turns each signed nibble into
+ *   code + 8, unsigned, which is what vpdpbusd multiplies; the even elements' nibbles meet the even
+ *   activations and the odd ones the odd (both split out once per call), so dword lane j sums 8
+ *   elements of one block. Each lane starts at -8 times its activations' sum, which takes the +8 off
+ *   again. The lanes then take their block's scales (the weights' times the activations') in
+ *   float. The offsets' share, offset * (x's sum over the block), adds up 16 blocks at a time.
+ * - int8: vpdpbusd wants one unsigned operand: |code| against the activation with the code's sign;
+ *   the lanes take their block's activation scale, the row its weights' scale.
+ * Elsewhere a portable float loop computes the same (without quantizing the activations). */
+#include "linear.h"
+
+#include <math.h>
+#include <string.h>
+
+#define TASK_BYTES 32768 /* weight bytes per task: a few microseconds, so the tail stays short */
+
+static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+int linear_check(const LinearJob *job) {
+    if (job->tokens <= 0 || job->in <= 0 || job->out <= 0 || !job->x || !job->y || !job->codes || !job->row_scales)
+        return 1;
+    if (job->format == LINEAR_INT8) return 0;
+    if (job->format != LINEAR_INT4 || job->block <= 0 || job->block % 2 || job->in % job->block) return 1;
+    return !job->block_scales || !job->offsets;
+}
+
+static size_t row_bytes(const LinearJob *job) {
+    return job->format == LINEAR_INT4 ? (size_t)job->in / 2 : (size_t)job->in;
+}
+
+int linear_tasks(const LinearJob *job) { return (job->out + job->rows_per_task - 1) / job->rows_per_task; }
+
+/* ---- the portable path ---------------------------------------------------------------------- */
+
+static float half_bits_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    uint32_t bits;
+    if (exponent == 0x1F) {
+        bits = sign | 0x7F800000u | mantissa << 13;
+    } else if (exponent) {
+        bits = sign | (exponent + 112) << 23 | mantissa << 13;
+    } else { /* zero or subnormal: mantissa * 2^-24 */
+        const float f = (float)mantissa * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static void rows_portable(const LinearJob *job, int first, int last) {
+    const int in = job->in, blocks = job->format == LINEAR_INT4 ? in / job->block : 0;
+    for (int t = 0; t < job->tokens; t++) {
+        const float *x = job->x + (size_t)t * in;
+        for (int o = first; o < last; o++) {
+            float total = 0.0f;
+            if (job->format == LINEAR_INT8) {
+                const int8_t *w = (const int8_t *)job->codes + (size_t)o * in;
+                for (int k = 0; k < in; k++) total += (float)w[k] * x[k];
+                total *= job->row_scales[o];
+            } else {
+                const uint8_t *w = (const uint8_t *)job->codes + (size_t)o * (in / 2);
+                for (int b = 0; b < blocks; b++) {
+                    float dot = 0.0f, sum = 0.0f;
+                    for (int k = b * job->block; k < (b + 1) * job->block; k++) {
+                        const int nibble = (w[k / 2] >> (4 * (k & 1))) & 0xF;
+                        dot += (float)((nibble ^ 8) - 8) * x[k];
+                        sum += x[k];
+                    }
+                    total += dot * half_bits_to_float(job->block_scales[(size_t)o * blocks + b]) +
+                             sum * (float)job->offsets[(size_t)o * blocks + b] * job->row_scales[o];
+                }
+            }
+            job->y[(size_t)t * job->out + o] = total;
+        }
+    }
+}
+
+/* ---- the AVX-512 VNNI path ------------------------------------------------------------------ */
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define LINEAR_VNNI 1
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 4096 /* bytes: the hardware prefetcher stops at 4 KB pages (LM head 1.55 -> 0.69 ms) */
+#endif
+
+int litekv_cpu_has_int8_dot(void);
+
+/* The prepared activations of one token, inside its stride of the scratch. Each block of 32 is
+ * int8 with its own scale (largest |x| / 127), as llama.cpp's Q8_0: a scale per token put SmolLM2's
+ * KL at 0.038 from activations alone (fp32 weights, the numpy reference), XNNPACK's per-token
+ * asymmetric form at 0.022, blocks of 32 at 0.003 (bench/PERFORMANCE.md, fifteenth round).
+ * int4: even [in/2 padded to 64] int8, odd (the same), lane sums [lanes] int32 (-8 * the 8 codes
+ *       each dword lane meets), block scales [blocks padded to 16] float, block sums (of x
+ *       itself, for the offsets) [the same] float;
+ * int8: codes [in padded to 64] int8, lane scales [in / 64 rounded up][16] float (each dword lane's
+ *       block scale). */
+typedef struct {
+    const int8_t *even, *odd;
+    const int32_t *lane_sums;
+    const float *block_scales, *block_sums;
+} Prepared;
+
+static size_t lanes(int in) { return round_up((size_t)in, 128) / 8; }
+
+static size_t padded_blocks(int in) { return round_up((size_t)(in / 32), 16); }
+
+static Prepared prepared(const LinearJob *job, int t) {
+    const uint8_t *p = (const uint8_t *)job->prepared + (size_t)t * job->prepared_stride;
+    Prepared r = {0};
+    if (job->format == LINEAR_INT8) {
+        r.even = (const int8_t *)p;
+        r.block_scales = (const float *)(const void *)(p + round_up((size_t)job->in, 64));
+        return r;
+    }
+    const size_t half = round_up((size_t)job->in / 2, 64);
+    r.even = (const int8_t *)p, r.odd = (const int8_t *)(p + half);
+    r.lane_sums = (const int32_t *)(const void *)(p + 2 * half);
+    r.block_scales = (const float *)(const void *)(p + 2 * half + 4 * lanes(job->in));
+    r.block_sums = r.block_scales + padded_blocks(job->in);
+    return r;
+}
+
+static size_t prepared_stride(const LinearJob *job) {
+    if (job->format == LINEAR_INT8) return round_up((size_t)job->in, 64) * 2; /* codes, then 16 floats per 64 */
+    return 2 * round_up((size_t)job->in / 2, 64) + 4 * lanes(job->in) + 8 * padded_blocks(job->in);
+}
+
+/* Writes one token's activations in the layout of Prepared. */
+TARGET static void prepare_token(const LinearJob *job, const float *x, uint8_t *p) {
+    const int in = job->in, blocks = in / 32;
+    memset(p, 0, job->prepared_stride);
+    int8_t q[in]; /* in <= a few thousand */
+    float scales[blocks], sums[blocks];
+    for (int b = 0; b < blocks; b++) {
+        const __m512 lo = _mm512_loadu_ps(x + 32 * b), hi = _mm512_loadu_ps(x + 32 * b + 16);
+        const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
+        scales[b] = largest / 127.0f;
+        sums[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+        _mm_storeu_si128((__m128i *)(void *)(q + 32 * b), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse))));
+        _mm_storeu_si128((__m128i *)(void *)(q + 32 * b + 16),
+                         _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse))));
+    }
+    if (job->format == LINEAR_INT8) {
+        memcpy(p, q, (size_t)in);
+        float *lane_scales = (float *)(void *)(p + round_up((size_t)in, 64));
+        for (int lane = 0; lane < in / 4; lane++) lane_scales[lane] = scales[lane / 8];
+        return;
+    }
+    const size_t half = round_up((size_t)in / 2, 64);
+    int8_t *even = (int8_t *)p, *odd = (int8_t *)(p + half);
+    int32_t *lane_sums = (int32_t *)(void *)(p + 2 * half);
+    float *block_scales = (float *)(void *)(p + 2 * half + 4 * lanes(in)), *block_sums = block_scales + padded_blocks(in);
+    for (int k = 0; k < in / 2; k++) even[k] = q[2 * k], odd[k] = q[2 * k + 1];
+    for (int lane = 0; lane < in / 8; lane++) {
+        int sum = 0;
+        for (int e = 0; e < 8; e++) sum += q[8 * lane + e];
+        lane_sums[lane] = -8 * sum;
+    }
+    memcpy(block_scales, scales, sizeof scales);
+    memcpy(block_sums, sums, sizeof sums); /* the offsets take x's own sums */
+}
+
+/* Lane j of a 128-code span belongs to block j / 4 of the span's 4 */
+#define SPREAD(first) _mm512_set_epi32(first + 3, first + 3, first + 3, first + 3, first + 2, first + 2, first + 2, \
+                                       first + 2, first + 1, first + 1, first + 1, first + 1, first, first, first, first)
+
+/* Rows o..o+R-1 (R <= 4) of one token. Per 128-code span (64 bytes of a row): the codes' dot
+ * products by lane, times their blocks' scales, in `acc`. Per 16 blocks (4 spans): the offsets
+ * times the blocks' activation sums, in `offset_acc`. */
+TARGET static inline void int4_group(const LinearJob *job, const Prepared *a, int o, int R, float *y) {
+    const int in = job->in, blocks = in / 32, spans = (in + 127) / 128;
+    const size_t bytes = (size_t)in / 2;
+    const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(0x08);
+    __m512 acc[4], scales[4] = {0}, offset_acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), offset_acc[r] = _mm512_setzero_ps();
+    for (int c = 0; c < spans; c++) {
+        const __mmask64 m = 64 * c + 64 <= (int)bytes ? ~(__mmask64)0 : (__mmask64)0xFFFFFFFFu; /* the tail: 2 blocks */
+        if (c % 4 == 0) {
+            const int left = blocks - 4 * c;
+            const __mmask16 b = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+            const __m512 sums = _mm512_load_ps(a->block_sums + 4 * c), x_scales = _mm512_load_ps(a->block_scales + 4 * c);
+            for (int r = 0; r < R; r++) {
+                const size_t row = (size_t)(o + r) * blocks + 4 * c;
+                __builtin_prefetch(job->block_scales + row + PREFETCH_AHEAD / 8, 0, 2);
+                __builtin_prefetch(job->offsets + row + PREFETCH_AHEAD / 8, 0, 2);
+                scales[r] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(b, job->block_scales + row)), x_scales);
+                const __m512i offsets = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(b, job->offsets + row));
+                offset_acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(offsets), sums, offset_acc[r]);
+            }
+        }
+        const __m512i spread = _mm512_add_epi32(SPREAD(0), _mm512_set1_epi32(4 * (c % 4)));
+        const __m512i even = _mm512_load_si512(a->even + 64 * c), odd = _mm512_load_si512(a->odd + 64 * c);
+        const __m512i start = _mm512_load_si512(a->lane_sums + 16 * c); /* -8 x each lane's activations */
+        for (int r = 0; r < R; r++) {
+            const uint8_t *w = (const uint8_t *)job->codes + (size_t)(o + r) * bytes + 64 * c;
+            __builtin_prefetch(w + PREFETCH_AHEAD, 0, 2);
+            const __m512i codes = _mm512_maskz_loadu_epi8(m, w);
+            /* (nibble & 0xF) ^ 8 in one ternary-logic op: the code + 8 */
+            const __m512i lo = _mm512_ternarylogic_epi32(codes, low, eight, 0x6A),
+                          hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(codes, 4), low, eight, 0x6A);
+            const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo, even), hi, odd);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(spread, scales[r]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        y[o + r] = _mm512_reduce_add_ps(_mm512_fmadd_ps(offset_acc[r], _mm512_set1_ps(job->row_scales[o + r]), acc[r]));
+}
+
+TARGET static void int4_rows_vnni(const LinearJob *job, int first, int last) {
+    for (int t = 0; t < job->tokens; t++) {
+        const Prepared a = prepared(job, t);
+        float *y = job->y + (size_t)t * job->out;
+        int o = first;
+        for (; o + 4 <= last; o += 4) int4_group(job, &a, o, 4, y);
+        for (; o < last; o++) int4_group(job, &a, o, 1, y);
+    }
+}
+
+TARGET static void int8_rows_vnni(const LinearJob *job, int first, int last) {
+    const int in = job->in;
+    for (int t = 0; t < job->tokens; t++) {
+        const Prepared a = prepared(job, t);
+        float *y = job->y + (size_t)t * job->out;
+        for (int o = first; o < last; o++) {
+            const int8_t *w = (const int8_t *)job->codes + (size_t)o * in;
+            __m512 acc = _mm512_setzero_ps();
+            for (int k = 0; k < in; k += 64) { /* two blocks: lanes 0-7 and 8-15 */
+                const __mmask64 m = in - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (in - k)) - 1);
+                __builtin_prefetch(w + k + PREFETCH_AHEAD, 0, 2);
+                const __m512i codes = _mm512_maskz_loadu_epi8(m, w + k), x = _mm512_load_si512(a.even + k);
+                const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(codes), _mm512_setzero_si512(), x);
+                const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(codes), signed_x);
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_load_ps(a.block_scales + k / 4), acc);
+            }
+            y[o] = job->row_scales[o] * _mm512_reduce_add_ps(acc);
+        }
+    }
+}
+#else
+#define LINEAR_VNNI 0
+#endif
+
+/* ---- entry points --------------------------------------------------------------------------- */
+
+static int vector_path(const LinearJob *job) {
+#if LINEAR_VNNI
+    return litekv_cpu_has_int8_dot() && job->in % 32 == 0 && (job->format == LINEAR_INT8 || (job->block == 32 && job->in % 64 == 0));
+#else
+    (void)job;
+    return 0;
+#endif
+}
+
+size_t linear_scratch_bytes(const LinearJob *job) {
+#if LINEAR_VNNI
+    return (size_t)job->tokens * prepared_stride(job);
+#else
+    (void)job;
+    return 0;
+#endif
+}
+
+void linear_prepare(LinearJob *job, void *scratch) {
+    const size_t bytes = row_bytes(job);
+    int rows = (int)(TASK_BYTES / (bytes ? bytes : 1));
+    job->rows_per_task = rows < 4 ? 4 : rows / 4 * 4;
+    job->vector = scratch && vector_path(job);
+#if LINEAR_VNNI
+    if (job->vector) {
+        job->prepared = scratch;
+        job->prepared_stride = prepared_stride(job);
+        for (int t = 0; t < job->tokens; t++)
+            prepare_token(job, job->x + (size_t)t * job->in, (uint8_t *)scratch + (size_t)t * job->prepared_stride);
+    }
+#endif
+}
+
+void linear_task(const LinearJob *job, int task) {
+    const int first = task * job->rows_per_task, end = first + job->rows_per_task,
+              last = end < job->out ? end : job->out;
+#if LINEAR_VNNI
+    if (job->vector) {
+        (job->format == LINEAR_INT4 ? int4_rows_vnni : int8_rows_vnni)(job, first, last);
+        return;
+    }
+#endif
+    rows_portable(job, first, last);
+}

@@ -1,0 +1,46 @@
+/* One-token linears (y = x W^T) over quantized weights, for decode steps: the weights are read
+ * where the model file holds them, and the rows are cut into tasks the attention kernel's two
+ * threads share (decode_attention.c), so XNNPACK's worker has no parallel work in a decode step. */
+#ifndef LITEKV_LINEAR_H
+#define LITEKV_LINEAR_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+enum {
+    LINEAR_INT4 = 0, /* codes: int4 [out, in] packed two a byte, even element low; block scales float16
+                        [out, in/block]; offsets int8 [out, in/block] times offset_scales [out]:
+                        W[o, k] = code * scale[o, b] + offset[o, b] * offset_scale[o] for k in block b */
+    LINEAR_INT8 = 1, /* codes: int8 [out, in]; row_scales [out]: W[o, k] = code * row_scale[o] */
+};
+
+typedef struct {
+    const float *x;  /* [tokens][in] */
+    float *y;        /* [tokens][out] */
+    const void *codes;
+    const uint16_t *block_scales; /* int4: float16 bits */
+    const int8_t *offsets;        /* int4 */
+    const float *row_scales;      /* int4: the offsets' scale per row; int8: the codes' */
+    int format, tokens, in, out, block;
+    int rows_per_task;
+    /* filled by linear_prepare from x: the activations as int8 (vector path) */
+    int vector; /* whether the AVX-512 VNNI path runs */
+    void *prepared;
+    size_t prepared_stride; /* bytes per token */
+} LinearJob;
+
+/* Checks the shapes; 0 when the job can run. */
+int linear_check(const LinearJob *job);
+/* Bytes of scratch linear_prepare needs for a job's activations. */
+size_t linear_scratch_bytes(const LinearJob *job);
+/* Chooses the path and, for the vector path, writes the activations into `scratch` (64-byte
+ * aligned, linear_scratch_bytes long). Run once per call, before the tasks. */
+void linear_prepare(LinearJob *job, void *scratch);
+int linear_tasks(const LinearJob *job);
+/* Rows [task * rows_per_task, ...) of y for every token. */
+void linear_task(const LinearJob *job, int task);
+
+/* rope.c: x and out [tokens][heads][dim], cos and sin [tokens][dim]; out = x cos + rotate_half(x) sin. */
+void rope_apply(const float *x, const float *cos, const float *sin, float *out, int tokens, int heads, int dim);
+
+#endif

@@ -1,0 +1,143 @@
+"""`--decode-linears kernel`: a LiteRT decode step's int4 and int8 projections, and its rotary
+embedding, in litekv's custom ops (kernels/linear.c, kernels/rope.c), which read the weights that
+prefill's FULLY_CONNECTED ops use."""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+from ai_edge_litert import schema_py_generated as schema
+
+from conformance import _ROOT, PREFILL_LENGTHS, checkpoint_dir, relative_error
+from litekv.bundle import BundleError, Manifest, read_manifest
+from litekv.converters.convert import ConvertOptions, convert
+from litekv.converters.quantize import int4_blockwise_asymmetric, int8_per_channel
+from litekv.errors import ConfigError
+from litekv.executor import open_executor
+from litekv.native_attention import LINEAR_OP_NAMES, ROPE_OP_NAME, AttentionKernel
+from litekv.native_attention import available as kernel_available
+from model_factory import ARCHITECTURES
+
+pytestmark = pytest.mark.skipif(not kernel_available(), reason="the linears are litekv's kernels")
+
+
+def int4_operands(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(packed codes, block scales, offset codes, offset scales, the weight they stand for)."""
+    codes, scales, offsets = int4_blockwise_asymmetric(w, 32)
+    offset_codes, offset_scales = int8_per_channel(offsets)
+    nibbles = (codes & 0xF).astype(np.uint8)
+    packed = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)  # TFLite's int4: the even element low
+    blocks = codes.reshape(len(w), -1, 32) * scales.astype(np.float32)[..., None]
+    exact = (blocks + (offset_codes * offset_scales[:, None])[..., None]).reshape(w.shape)
+    return packed, scales, offset_codes, offset_scales, exact
+
+
+def rounding_bound(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The most that int8 activations with a scale per 32 (half a step each) can move x @ w.T."""
+    half_steps = np.repeat(np.abs(x).reshape(len(x), -1, 32).max(axis=2) / 254, 32, axis=1)
+    return half_steps @ np.abs(w).T
+
+
+@pytest.mark.parametrize("vector", [True, False], ids=["vnni-if-present", "portable"])
+@pytest.mark.parametrize("out_dim, in_dim", [(960, 576), (37, 1536), (100, 192), (5, 64)])
+def test_linears_match_numpy(vector, out_dim, in_dim):
+    """Both forms against the weights they stand for, with activations whose blocks differ 1000x
+    in size. The integer path is held to its own rounding (a wrong nibble order, scale or offset
+    is far outside it); the portable path is float throughout."""
+    rng = np.random.default_rng(out_dim)
+    w = rng.normal(size=(out_dim, in_dim)).astype(np.float32) + 0.3
+    x = rng.normal(size=(3, in_dim)).astype(np.float32)
+    x[:, :32] *= 1000.0
+    kernel = AttentionKernel(16, 4, 64, threads=2, int8_dot=vector)
+    packed, scales, offset_codes, offset_scales, exact4 = int4_operands(w)
+    codes8, scales8 = int8_per_channel(w)
+    exact8 = codes8 * scales8[:, None]
+    for got, exact in ((kernel.run_linear(x, packed, offset_scales, scales, offset_codes), exact4),
+                       (kernel.run_linear(x, codes8, scales8), exact8)):
+        want = x @ exact.T
+        if vector:
+            assert np.all(np.abs(got - want) <= 1.01 * rounding_bound(exact, x) + 1e-3)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3 * np.abs(want).max())
+
+
+def test_linear_refuses_shapes_that_do_not_fit():
+    kernel = AttentionKernel(16, 4, 64, threads=1)
+    with pytest.raises(ValueError, match="rejected"):
+        kernel.run_linear(np.ones((1, 64), np.float32), np.ones((4, 32), np.int8), np.ones(5, np.float32))
+    with pytest.raises(ValueError, match="rejected"):  # 3 blocks of scales for 2 of offsets
+        kernel.run_linear(np.ones((1, 96), np.float32), np.ones((4, 48), np.uint8), np.ones(4, np.float32),
+                          np.ones((4, 3), np.float16), np.ones((4, 2), np.int8))
+
+
+@lru_cache(maxsize=None)
+def bundle(arch: str, quantize: str, linears: str) -> Path:
+    options = ConvertOptions(backend="litert", quantize=quantize, max_context=64, prefill_lengths=PREFILL_LENGTHS,
+                             decode_linears=linears)
+    return convert(checkpoint_dir(arch), _ROOT / f"{arch}-litert-{quantize}-{linears}-linears", options)
+
+
+def decode_ops(model_file: Path) -> tuple[set[str], set[str]]:
+    """The custom ops of the `decode` entry point, and the weight types its FULLY_CONNECTED ops read."""
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAs(Path(model_file).read_bytes(), 0))
+    graph = next(g for g in model.subgraphs if g.name == b"decode")
+    customs, fc_weights = set(), set()
+    for op in graph.operators:
+        code = model.operatorCodes[op.opcodeIndex]
+        if code.customCode:
+            customs.add(code.customCode.decode())
+        elif code.builtinCode == schema.BuiltinOperator.FULLY_CONNECTED:
+            fc_weights.add(graph.tensors[op.inputs[1]].type)
+    return customs, fc_weights
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("quantize", ["int4", "int8"])
+def test_steps_follow_the_graph_bundle(arch, quantize):
+    """The same weights through XNNPACK's FULLY_CONNECTED and through the kernels: the steps agree
+    to the activations' rounding (XNNPACK's int8 per token, the kernels' per 32), and the prefill,
+    still XNNPACK's, agrees exactly."""
+    ours, theirs = open_executor(bundle(arch, quantize, "kernel")), open_executor(bundle(arch, quantize, "graph"))
+    prompt = np.random.default_rng(4).integers(3, ours.config.vocab_size, 9)
+    a, b = ours.create_kv_cache(), theirs.create_kv_cache()
+    ours.prefill(prompt[:-1], a)
+    theirs.prefill(prompt[:-1], b)
+    np.testing.assert_array_equal(a.key_cache(0)[:, :8], b.key_cache(0)[:, :8])
+    token = prompt[-1]
+    for _ in range(6):
+        mine, graph = ours.step([token], a), theirs.step([token], b)
+        assert relative_error(mine, graph) < 0.05
+        token = int(np.argmax(graph))
+
+
+@pytest.mark.parametrize("quantize", ["int4", "int8"])
+def test_decode_reads_the_prefill_weights_in_custom_ops(quantize):
+    kernel_bundle, graph_bundle = bundle("llama", quantize, "kernel"), bundle("llama", quantize, "graph")
+    manifest = read_manifest(kernel_bundle)
+    assert manifest.decode_linears == "kernel" and read_manifest(graph_bundle).decode_linears == "graph"
+    customs, fc_weights = decode_ops(kernel_bundle / manifest.model_file)
+    assert f"litekv.linear_{quantize}" in customs and ROPE_OP_NAME in customs
+    assert not fc_weights & {schema.TensorType.INT4, schema.TensorType.INT8}  # no quantized FULLY_CONNECTED left
+    customs, fc_weights = decode_ops(graph_bundle / manifest.model_file)
+    assert not customs & {*LINEAR_OP_NAMES, ROPE_OP_NAME}
+    # the weights are stored once: the float scale vectors it adds are smaller than the block-sum
+    # matrices and ops the graph form's decode needs
+    sizes = [(b / "model.tflite").stat().st_size for b in (kernel_bundle, graph_bundle)]
+    assert sizes[0] < 1.05 * sizes[1]
+
+
+def test_fp32_weights_and_onnx_keep_graph_linears():
+    assert ConvertOptions(backend="litert", quantize="fp32", decode_linears="kernel").linears_kind == "graph"
+    with pytest.raises(ConfigError, match="LiteRT option"):
+        ConvertOptions(backend="onnx", quantize="int4", decode_linears="kernel")
+    with pytest.raises(ConfigError, match="unknown decode linears"):
+        ConvertOptions(backend="litert", quantize="int4", decode_linears="fast")
+
+
+def test_an_onnx_manifest_with_kernel_linears_is_refused():
+    manifest = read_manifest(bundle("llama", "int4", "kernel"))
+    text = manifest.to_json().replace('"backend": "litert"', '"backend": "onnx"')
+    with pytest.raises(BundleError, match="reconvert"):
+        Manifest.from_json(text, "litekv.json")
