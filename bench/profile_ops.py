@@ -123,11 +123,14 @@ def main() -> None:
                         help="KV cache precision (default: the converter's: fp32 on ONNX; on LiteRT int8 with "
                         "int4 weights, else fp16)")
     parser.add_argument("--backend", choices=("litert", "onnx", "both"), default="both")
+    parser.add_argument("--decode-linears", choices=("graph", "kernel"), default=None,
+                        help="LiteRT: the decode step's quantized linears in XNNPACK (default) or litekv's kernels")
     args = parser.parse_args()
     for backend, breakdown in (("litert", litert_breakdown), ("onnx", onnx_breakdown)):
         if args.backend not in (backend, "both"):
             continue
-        bundle = smollm2_bundle(backend, args.quantize, kv_cache=args.kv_cache)
+        linears = args.decode_linears if backend == "litert" else None
+        bundle = smollm2_bundle(backend, args.quantize, kv_cache=args.kv_cache, decode_linears=linears)
         ops = breakdown(bundle, args.live, args.steps, args.threads)
         total = sum(ms for ms, _ in ops.values())
         rows = [[op, calls, f"{ms:.3f}", f"{100 * ms / total:.1f}%"]
