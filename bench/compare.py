@@ -75,6 +75,11 @@ def systems() -> list[System]:
     out.append(System("litekv LiteRT int4 + int8 KV + int4 head", "4-bit", MAIN_PYTHON,
                       ["bench/peers/run_litekv.py", "--backend", "litert", "--quantize", "int4", "--kv-cache", "int8",
                        "--lm-head", "int4"], litekv=True))
+    # The quantized weights' decode linears in litekv's kernels (`--decode-linears kernel`)
+    for quantize, kv, cls in (("int4", "int8", "4-bit"), ("int8", "fp16", "8-bit")):
+        out.append(System(f"litekv LiteRT {quantize} + {kv} KV + kernel linears", cls, MAIN_PYTHON,
+                          ["bench/peers/run_litekv.py", "--backend", "litert", "--quantize", quantize, "--kv-cache", kv,
+                           "--decode-linears", "kernel"], litekv=True))
     from litekv.catalog import checkpoint_path
     q41, f32 = Path(checkpoint_path()), PEER_CACHE / "SmolLM2-135M-Instruct.F32.gguf"
     llama_py = PEERS / ".venv" / "bin" / "python"

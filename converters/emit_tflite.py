@@ -111,7 +111,9 @@ class TFLiteOps(GraphOps):
                  kv_scales: tuple[np.ndarray, np.ndarray] | None = None, prefill_attention: str = "kernel",
                  kv_dtype: str = "float32", kv_row_scales: bool = False, decode_linears: str = "graph"):
         super().__init__(cfg, store.weights, store.plan, sig, lora, tables, store.quant_cache)
-        # one-token steps' int4 / int8 projections in litekv's linear kernels
+        # int4 / int8 projections of one row in litekv's linear kernels: a decode step's, and prefill's
+        # LM head (its last row), so no FULLY_CONNECTED keeps the head for XNNPACK to pack a copy of
+        self.decode_linears = decode_linears
         self.kernel_linears = decode_linears == "kernel" and sig.tokens == 1
         self.store = store
         self.decode_attention = decode_attention  # "kernel": litekv's custom op; "graph": builtin ops
@@ -231,7 +233,7 @@ class TFLiteOps(GraphOps):
 
     def project(self, x: Sym, name: str, parts: Sequence[str]) -> Sym:
         fmt = self.plan.format_for(name)
-        if not self.kernel_linears or fmt not in ("int4", "int8"):
+        if self.decode_linears != "kernel" or x.shape[-2] != 1 or fmt not in ("int4", "int8"):
             return super().project(x, name, parts)
         weight = self.store.matmul(name, parts, self)  # the constant prefill's FULLY_CONNECTED reads
         out_dim, in_dim = weight.shape

@@ -79,10 +79,10 @@ def bundle(arch: str, quantize: str, linears: str) -> Path:
     return convert(checkpoint_dir(arch), _ROOT / f"{arch}-litert-{quantize}-{linears}-linears", options)
 
 
-def decode_ops(model_file: Path) -> tuple[set[str], set[str]]:
-    """The custom ops of the `decode` entry point, and the weight types its FULLY_CONNECTED ops read."""
+def decode_ops(model_file: Path, signature: str = "decode") -> tuple[set[str], set[str]]:
+    """The custom ops of an entry point, and the weight types its FULLY_CONNECTED ops read."""
     model = schema.ModelT.InitFromObj(schema.Model.GetRootAs(Path(model_file).read_bytes(), 0))
-    graph = next(g for g in model.subgraphs if g.name == b"decode")
+    graph = next(g for g in model.subgraphs if g.name == signature.encode())
     customs, fc_weights = set(), set()
     for op in graph.operators:
         code = model.operatorCodes[op.opcodeIndex]
@@ -120,6 +120,10 @@ def test_decode_reads_the_prefill_weights_in_custom_ops(quantize):
     customs, fc_weights = decode_ops(kernel_bundle / manifest.model_file)
     assert f"litekv.linear_{quantize}" in customs and ROPE_OP_NAME in customs
     assert not fc_weights & {schema.TensorType.INT4, schema.TensorType.INT8}  # no quantized FULLY_CONNECTED left
+    # prefill keeps XNNPACK's matmuls, but for the LM head of its last row, which XNNPACK then never packs
+    customs, fc_weights = decode_ops(kernel_bundle / manifest.model_file, "prefill_8")
+    assert customs & set(LINEAR_OP_NAMES) == {"litekv.linear_int8"} and ROPE_OP_NAME not in customs
+    assert (schema.TensorType.INT4 if quantize == "int4" else schema.TensorType.INT8) in fc_weights
     customs, fc_weights = decode_ops(graph_bundle / manifest.model_file)
     assert not customs & {*LINEAR_OP_NAMES, ROPE_OP_NAME}
     # the weights are stored once: the float scale vectors it adds are smaller than the block-sum

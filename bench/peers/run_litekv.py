@@ -43,13 +43,16 @@ def main() -> None:
                         "int4 weights, else fp16)")
     parser.add_argument("--lm-head", choices=("fp32", "int8", "int4"), default=None,
                         help="LM head precision (default: the converter's, int8 for quantized weights)")
+    parser.add_argument("--decode-linears", choices=("graph", "kernel"), default=None,
+                        help="LiteRT: the decode step's quantized linears in XNNPACK (default) or litekv's kernels")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--passage", type=Path, default=None, help="passage.json: also report passage_argmax")
     parser.add_argument("--save", default=None, help="also write results/NAME.json")
     args = parser.parse_args()
 
-    bundle = smollm2_bundle(args.backend, args.quantize, kv_cache=args.kv_cache, lm_head=args.lm_head)
+    bundle = smollm2_bundle(args.backend, args.quantize, kv_cache=args.kv_cache, lm_head=args.lm_head,
+                            decode_linears=args.decode_linears)
     load_times, engine = [], None
     for _ in range(args.repeats):
         engine = None
@@ -67,7 +70,7 @@ def main() -> None:
         return cache
 
     result = {"peer": "litekv", "version": litekv.__version__, "backend": args.backend, "quantize": args.quantize,
-              "kv_cache": args.kv_cache, "lm_head": args.lm_head,
+              "kv_cache": args.kv_cache, "lm_head": args.lm_head, "decode_linears": args.decode_linears,
               "model": bundle.name, "threads": args.threads, "repeats": args.repeats,
               "load_s": load_times[len(load_times) // 2]}
     for n in PREFILL_LENGTHS:
