@@ -27,12 +27,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--weights", nargs="+", default=["int4", "int8"])
+    parser.add_argument("--kv-cache", choices=("fp32", "fp16", "int8"), default=None,
+                        help="the bundles' KV cache (default: the converter's for the weights)")
     args = parser.parse_args()
     runs = {}
     prompt = np.random.default_rng(1).integers(100, 40000, max(LIVE)).tolist()
     for weights in args.weights:
         for linears in ("graph", "kernel"):
-            ex = open_executor(smollm2_bundle("litert", weights, decode_linears=linears))
+            ex = open_executor(smollm2_bundle("litert", weights, kv_cache=args.kv_cache, decode_linears=linears))
             cache = ex.create_kv_cache()
             ex.prefill(prompt, cache)
             runs[weights, linears] = (ex, cache)
@@ -59,7 +61,7 @@ def main() -> None:
         ratios = [statistics.median(steps[weights, "graph", live]) / statistics.median(steps[weights, "kernel", live])
                   for live in LIVE]
         print(f"{weights}: graph / kernel step time " + ", ".join(f"{r:.2f} at {live}" for r, live in zip(ratios, LIVE)))
-    save("decode_linears", dict(rounds=args.rounds, steps=STEPS, bundles=result))
+    save("decode_linears", dict(rounds=args.rounds, steps=STEPS, kv_cache=args.kv_cache, bundles=result))
 
 
 if __name__ == "__main__":
