@@ -125,20 +125,30 @@ class FileMappings:
 
 
 class ModelFilePages:
-    """A model file's pages given back after loading, after each prefill chunk and every
+    """A model file's pages given back after loading, before and after each prefill chunk and every
     `every_steps` decode steps (each step reads one embedding row, and the kernel maps 64 KB around
     it: 200 SmolLM2 fp32 steps left 14 MB resident). `guard` runs a release while the mappings'
-    owner is kept open (see FileMappings)."""
+    owner is kept open (see FileMappings).
+
+    `prefill_only`: mappings only prefill reads, given back when a prefill ends. With a LiteRT
+    bundle's decode linears in litekv's kernels, decode reads the weights in the model file and
+    prefill XNNPACK's packed copy of them, so each phase gives the other's pages back and the two
+    copies are never resident together."""
 
     def __init__(self, pages: FileMappings, every_steps: int = RELEASE_EVERY_STEPS,
-                 guard: Callable[[Callable[[], None]], None] = lambda release: release()):
-        self.pages, self.every_steps, self.guard = pages, every_steps, guard
+                 guard: Callable[[Callable[[], None]], None] = lambda release: release(),
+                 prefill_only: FileMappings | None = None):
+        self.pages, self.every_steps, self.guard, self.prefill_only = pages, every_steps, guard, prefill_only
         self.steps_since_release = 0
         self.release()
 
     def release(self) -> None:
         self.steps_since_release = 0
         self.guard(self.pages.release)
+
+    def prefill_done(self) -> None:
+        if self.prefill_only is not None:
+            self.guard(self.prefill_only.release)
 
     def count_steps(self, steps: int) -> None:
         self.steps_since_release += steps

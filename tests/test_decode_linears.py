@@ -145,3 +145,26 @@ def test_an_onnx_manifest_with_kernel_linears_is_refused():
     text = manifest.to_json().replace('"backend": "litert"', '"backend": "onnx"')
     with pytest.raises(BundleError, match="reconvert"):
         Manifest.from_json(text, "litekv.json")
+
+
+def test_each_phase_gives_the_other_phases_weights_back(tmp_path):
+    """Decode reads the model file's weights and prefill XNNPACK's packed copy: after a prefill
+    neither that copy nor the file's weights are resident, after steps the copy still is not, and
+    the logits do not change when they fault back in. Its own bundle: no other test maps its files."""
+    from litekv.executor.litert_executor import xnnpack_cache_file
+    from test_resident_pages import resident_kb
+
+    options = ConvertOptions(backend="litert", quantize="int4", max_context=64, prefill_lengths=PREFILL_LENGTHS,
+                             decode_linears="kernel")
+    path = convert(checkpoint_dir("llama"), tmp_path / "bundle", options)
+    ex = open_executor(path)
+    packed = xnnpack_cache_file(Path(ex.model.path), read_manifest(path).fingerprint)
+    prompt = np.random.default_rng(6).integers(3, ex.config.vocab_size, 9)
+    first, again = ex.create_kv_cache(), ex.create_kv_cache()
+    ex.prefill(prompt[:-1], first)
+    assert resident_kb(packed) == 0 and resident_kb(ex.model.path) == 0
+    logits = ex.step([int(prompt[-1])], first)
+    assert resident_kb(ex.model.path) > 0 and resident_kb(packed) == 0
+    ex.prefill(prompt[:-1], again)  # the packed copy faults back in, and goes again
+    assert resident_kb(packed) == 0
+    np.testing.assert_array_equal(ex.step([int(prompt[-1])], again), logits)

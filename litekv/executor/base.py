@@ -109,16 +109,23 @@ class ExecutorBase(ABC):
         tokens = self._token_matrix(inputs, kv_cache)
         with self._call(lora_id) as adapter:
             start = kv_cache.num_tokens
-            for chunk in plan_prefill(tokens.shape[1], start, self._prefill_sizes(), self.max_context):
-                self._check_cancel()
-                begin = chunk.start - start
-                try:
-                    for row in range(kv_cache.batch_size):
-                        self._run_prefill_chunk(tokens[row, begin:begin + chunk.real], chunk, kv_cache, row, adapter)
-                finally:  # the embedding rows the chunk gathered are not read again
-                    if self.model_pages is not None:
-                        self.model_pages.release()
-                kv_cache.set_num_tokens(chunk.start + chunk.real)
+            if self.model_pages is not None:  # what decode steps read since the last release
+                self.model_pages.release()
+            try:
+                for chunk in plan_prefill(tokens.shape[1], start, self._prefill_sizes(), self.max_context):
+                    self._check_cancel()
+                    begin = chunk.start - start
+                    try:
+                        for row in range(kv_cache.batch_size):
+                            self._run_prefill_chunk(tokens[row, begin:begin + chunk.real], chunk, kv_cache, row,
+                                                    adapter)
+                    finally:  # the embedding rows the chunk gathered are not read again
+                        if self.model_pages is not None:
+                            self.model_pages.release()
+                    kv_cache.set_num_tokens(chunk.start + chunk.real)
+            finally:
+                if self.model_pages is not None:
+                    self.model_pages.prefill_done()
 
     def _count_steps(self, steps: int) -> None:
         if self.model_pages is not None:

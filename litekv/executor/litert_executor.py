@@ -171,6 +171,7 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         path = Path(bundle) / manifest.model_file
         weight_cache = xnnpack_cache_file(path, manifest.fingerprint)
         mapped_before = FileMappings(path).ranges  # other models of this file in the process: not ours to release
+        cache_mapped_before = FileMappings(weight_cache).ranges
         order = ("gpu", "npu", "cpu") if accelerator == "auto" else (accelerator,)
         errors = []
         for kind in order:
@@ -189,7 +190,11 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         # On CPU, XNNPACK runs on its packed copy of the weights: the model file pages read while
         # compiling are idle, and a prefill's embedding rows are not needed after it.
         if self.accelerator == "cpu":
-            self.model_pages = ModelFilePages(FileMappings(path, exclude=mapped_before), guard=self.model.while_open)
+            # With the decode linears in litekv's kernels, only prefill reads XNNPACK's packed weights.
+            packed = (FileMappings(weight_cache, exclude=cache_mapped_before) if manifest.decode_linears == "kernel"
+                      else None)
+            self.model_pages = ModelFilePages(FileMappings(path, exclude=mapped_before), guard=self.model.while_open,
+                                              prefill_only=packed)
         cfg = self.config
         self._sliding = "sliding" in cfg.layer_types
         self._sampler: _SamplerIO | None = None
