@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from litekv.catalog import cache_dir, checkpoint_path
-from litekv.converters.convert import ConvertOptions, convert, default_kv_cache
+from litekv.converters.convert import ConvertOptions, convert
 
 RESULTS = Path(__file__).parent / "results"
 # The two KV caches each backend's step sweeps cover: LiteRT float16 and int8, ONNX float32 and int8.
@@ -28,7 +28,12 @@ def sweep_label(backend: str, quantize: str, kv_cache: str) -> str:
 def default_mark(label: str) -> str:
     """A sweep label as tables and plots show it: "*" marks the converter's default cache for it."""
     backend, quantize, kv = label.split("-")
-    return label + ("*" if kv.removeprefix("kv") == default_kv_cache(backend, quantize) else "")
+    return label + ("*" if kv.removeprefix("kv") == default_cache(backend, quantize) else "")
+
+
+def default_cache(backend: str, quantize: str) -> str:
+    """The converter's KV cache format for these weights, with its other defaults."""
+    return ConvertOptions(backend=backend, quantize=quantize).kv_format
 
 
 def compile_c(output: Path, *arguments: str) -> Path:

@@ -30,8 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import RESULTS, SWEEP_CACHES, markdown_table
-from litekv.converters.convert import default_kv_cache
+from common import RESULTS, SWEEP_CACHES, default_cache, markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT / "bench" / "peers"
@@ -69,17 +68,17 @@ def systems() -> list[System]:
         for quantize, cls in (("fp32", "fp32"), ("int8", "8-bit"), ("int4", "4-bit")):
             out.append(System(f"litekv {label} {quantize} + {kv} KV", cls, MAIN_PYTHON,
                               ["bench/peers/run_litekv.py", "--backend", backend, "--quantize", quantize, "--kv-cache", kv],
-                              litekv=True, default=kv == default_kv_cache(backend, quantize)))
+                              litekv=True, default=kv == default_cache(backend, quantize)))
     # The 4-bit peers' own LM-head class: onnxruntime-genai's head is 4-bit, litekv's int4 default
     # keeps the GGUF's 8-bit one. The quality column shows what each choice costs.
     out.append(System("litekv LiteRT int4 + int8 KV + int4 head", "4-bit", MAIN_PYTHON,
                       ["bench/peers/run_litekv.py", "--backend", "litert", "--quantize", "int4", "--kv-cache", "int8",
                        "--lm-head", "int4"], litekv=True))
-    # The quantized weights' decode linears in litekv's kernels (`--decode-linears kernel`)
-    for quantize, kv, cls in (("int4", "int8", "4-bit"), ("int8", "fp16", "8-bit")):
-        out.append(System(f"litekv LiteRT {quantize} + {kv} KV + kernel linears", cls, MAIN_PYTHON,
+    # The default bundles' decode linears in XNNPACK instead of litekv's kernels (`--decode-linears graph`)
+    for quantize, kv, cls in (("int4", "int8", "4-bit"), ("int8", "int8", "8-bit")):
+        out.append(System(f"litekv LiteRT {quantize} + {kv} KV + XNNPACK linears", cls, MAIN_PYTHON,
                           ["bench/peers/run_litekv.py", "--backend", "litert", "--quantize", quantize, "--kv-cache", kv,
-                           "--decode-linears", "kernel"], litekv=True))
+                           "--decode-linears", "graph"], litekv=True))
     from litekv.catalog import checkpoint_path
     q41, f32 = Path(checkpoint_path()), PEER_CACHE / "SmolLM2-135M-Instruct.F32.gguf"
     llama_py = PEERS / ".venv" / "bin" / "python"

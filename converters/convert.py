@@ -32,7 +32,8 @@ DEFAULT_PREFILL = (32, 128, 512)
 SMALLEST_BUCKET = 256
 
 
-def default_kv_cache(backend: str, quantize: str, attention: str = "kernel", lora: bool = False) -> str:
+def default_kv_cache(backend: str, quantize: str, attention: str = "kernel", lora: bool = False,
+                     linears: str = "graph") -> str:
     """The KV cache format a bundle gets without --kv-cache.
 
     ONNX: fp32, because GroupQueryAttention computes a float16 cache in float16 on the CPU (slower),
@@ -45,7 +46,24 @@ def default_kv_cache(backend: str, quantize: str, attention: str = "kernel", lor
     scales are calibrated without adapters, which may move K and V past them."""
     if backend == "onnx":
         return "fp32"
-    return "int8" if quantize == "int4" and attention == "kernel" and not lora else "fp16"
+    if attention != "kernel" or lora:
+        return "fp16"
+    # int8 weights with litekv's linear kernels: their error drops enough (mean KL 0.0135 with an int8
+    # cache against 0.0266 for XNNPACK's linears and a float16 one) that the int8 cache's smaller step
+    # growth (1.19 against 1.51) wins
+    return "int8" if quantize == "int4" or (quantize == "int8" and linears == "kernel") else "fp16"
+
+
+def default_decode_linears(backend: str, quantize: str, attention: str = "kernel", lora: bool = False) -> str:
+    """Where a bundle's decode steps run their quantized linears without --decode-linears.
+
+    LiteRT with int4 or int8 weights and litekv's attention kernel: "kernel". Its activations are
+    rounded per 32 (a third of the mean KL against fp32), XNNPACK's worker stays asleep through a
+    step (the int4 step grows 1.15-1.22x from 64 to 2,048 tokens, not 1.26-1.33x), and decode is
+    as fast on short contexts (bench/PERFORMANCE.md, fifteenth round). Not with LoRA inputs, whose
+    matmuls stay in XNNPACK and would wake its worker."""
+    quantized = quantize in ("int4", "int8")
+    return "kernel" if backend == "litert" and quantized and attention == "kernel" and not lora else "graph"
 
 
 @dataclass(frozen=True)
@@ -71,7 +89,7 @@ class ConvertOptions:
     # rows see, so prefill needs no capacity buckets: one entry point per chunk length.
     prefill_attention: str | None = None
     # LiteRT one-token steps' int4 / int8 linears: "kernel" (litekv's custom ops, on the threads of its
-    # attention kernel) or "graph" (FULLY_CONNECTED in XNNPACK). None: "graph".
+    # attention kernel) or "graph" (FULLY_CONNECTED in XNNPACK). None: default_decode_linears.
     decode_linears: str | None = None
 
     def __post_init__(self) -> None:
@@ -139,7 +157,7 @@ class ConvertOptions:
     def kv_format(self) -> str:
         """The KV cache's format, one of KV_CACHE_FORMATS (kv_cache, or the default for these weights)."""
         return self.kv_cache or default_kv_cache(self.backend, self.quantize, self.attention_kind,
-                                                 self.lora_rank is not None)
+                                                 self.lora_rank is not None, self.linears_kind)
 
     @property
     def kv_row_scales(self) -> bool:
@@ -164,6 +182,8 @@ class ConvertOptions:
     @property
     def linears_kind(self) -> str:
         """The decode steps' quantized linears: "kernel" only where some weight is int4 or int8."""
+        if self.decode_linears is None:
+            return default_decode_linears(self.backend, self.quantize, self.attention_kind, self.lora_rank is not None)
         quantized = {self.plan.weights, self.plan.lm_head} & {"int4", "int8"}
         return "kernel" if self.backend == "litert" and quantized and self.decode_linears == "kernel" else "graph"
 
@@ -411,8 +431,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-sampler", action="store_true", help="omit the in-graph sampling entry points")
     parser.add_argument("--kv-cache", choices=KV_CACHE_FORMATS,
                         help="KV cache precision: fp16 reads half the bytes per step, int8 a quarter (default: "
-                        "fp32 for ONNX; for LiteRT int8 with --quantize int4 and the decode kernel without "
-                        "--lora-rank, else fp16); int8-row (LiteRT, litekv's kernels): int8 codes with a scale "
+                        "fp32 for ONNX; for LiteRT int8 with --quantize int4, or int8 with litekv's linear kernels, "
+                        "with the decode kernel and without --lora-rank, else fp16); int8-row (LiteRT, litekv's kernels): int8 codes with a scale "
                         "per token and KV head, computed as each row is written, so nothing is calibrated")
     parser.add_argument("--decode-attention", choices=ATTENTION_KINDS,
                         help="LiteRT one-token attention: kernel (default; litekv's compiled custom op, which "
@@ -422,9 +442,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the slots a chunk sees, so one entry point per chunk length serves every context) or graph "
                         "(builtin ops, one entry point per chunk length and capacity)")
     parser.add_argument("--decode-linears", choices=ATTENTION_KINDS,
-                        help="LiteRT one-token steps' int4 and int8 linears: graph (default; XNNPACK's "
-                        "FULLY_CONNECTED) or kernel (litekv's custom ops, on the threads of its attention kernel; "
-                        "prefill keeps XNNPACK and the weights are stored once)")
+                        help="LiteRT one-token steps' int4 and int8 linears: kernel (default with int4 or int8 "
+                        "weights, the attention kernel and no --lora-rank; litekv's custom ops, on the threads of its "
+                        "attention kernel, with activations rounded per 32; prefill keeps XNNPACK and the weights "
+                        "are stored once) or graph (XNNPACK's FULLY_CONNECTED)")
 
 
 def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:

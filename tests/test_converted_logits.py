@@ -147,11 +147,11 @@ def test_tflite_int4_projections_read_no_float_matrices():
     shared by every int4 projection (the 0/1 block-membership matmul) is read once per projection
     per step, and float32 offsets are 4x the bytes of int8 ones: 26-31 MB per SmolLM2 int4 step,
     against 88 MB of int4 weights and int8 head. The block sums are a reshape and a sum, and the
-    offsets are int8 codes."""
+    offsets are int8 codes. (Prefill's form: decode steps run litekv's linear kernels by default.)"""
     from ai_edge_litert import schema_py_generated as schema
 
     model = schema.ModelT.InitFromObj(schema.Model.GetRootAs((bundle("llama", "litert", "int4") / "model.tflite").read_bytes(), 0))
-    decode = next(model.subgraphs[s.subgraphIndex] for s in model.signatureDefs if s.signatureKey == b"decode")
+    decode = next(model.subgraphs[s.subgraphIndex] for s in model.signatureDefs if s.signatureKey.startswith(b"prefill"))
     fully_connected = [i for i, code in enumerate(model.operatorCodes)
                        if code.builtinCode == schema.BuiltinOperator.FULLY_CONNECTED]
     weights = [decode.tensors[op.inputs[1]] for op in decode.operators if op.opcodeIndex in fully_connected]

@@ -74,8 +74,9 @@ def test_linear_refuses_shapes_that_do_not_fit():
 
 @lru_cache(maxsize=None)
 def bundle(arch: str, quantize: str, linears: str) -> Path:
+    # one cache for both (the default differs: int8 weights get an int8 cache only with the kernels)
     options = ConvertOptions(backend="litert", quantize=quantize, max_context=64, prefill_lengths=PREFILL_LENGTHS,
-                             decode_linears=linears)
+                             decode_linears=linears, kv_cache="fp16")
     return convert(checkpoint_dir(arch), _ROOT / f"{arch}-litert-{quantize}-{linears}-linears", options)
 
 
@@ -130,6 +131,17 @@ def test_decode_reads_the_prefill_weights_in_custom_ops(quantize):
     # matrices and ops the graph form's decode needs
     sizes = [(b / "model.tflite").stat().st_size for b in (kernel_bundle, graph_bundle)]
     assert sizes[0] < 1.05 * sizes[1]
+
+
+def test_the_kernels_are_the_default_for_litert_quantized_weights():
+    def kind(**options):
+        return ConvertOptions(max_context=64, prefill_lengths=(8,), **options).linears_kind
+
+    assert kind(backend="litert", quantize="int4") == kind(backend="litert", quantize="int8") == "kernel"
+    assert kind(backend="litert", quantize="fp32") == kind(backend="onnx", quantize="int4") == "graph"
+    assert kind(backend="litert", quantize="int4", lora_rank=4) == "graph"  # LoRA's matmuls stay in XNNPACK
+    assert kind(backend="litert", quantize="int4", decode_attention="graph", prefill_attention="graph") == "graph"
+    assert kind(backend="litert", quantize="int4", decode_linears="graph") == "graph"
 
 
 def test_fp32_weights_and_onnx_keep_graph_linears():

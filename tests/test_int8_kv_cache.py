@@ -114,18 +114,21 @@ def test_calibration_scales_leave_the_key_and_value_headrooms():
         np.testing.assert_allclose((scales * 127 / bound)[moved], headroom, rtol=1e-5)
 
 
-def test_the_default_cache_is_int8_only_for_litert_int4_weights_on_the_kernel():
+def test_the_default_cache_is_int8_only_for_litert_quantized_weights_on_the_kernels():
     """With int4 weights an int8 cache keeps the float16 cache's agreement and decodes faster in
-    litekv's kernel, so it is LiteRT's default there; other weights keep float16, graph attention
-    (which widens the cache every step) and LoRA bundles (scales calibrated without adapters) too,
-    and ONNX keeps float32."""
+    litekv's kernel, so it is LiteRT's default there, and with int8 weights on litekv's linear
+    kernels (their default); fp32 weights keep float16, and so do graph attention (which widens the
+    cache every step), LoRA bundles (scales calibrated without adapters) and int8 weights in XNNPACK's
+    linears. ONNX keeps float32."""
     def kv_format(**options):
         return ConvertOptions(max_context=64, prefill_lengths=(8,), **options).kv_format
 
     defaults = {(backend, quantize): kv_format(backend=backend, quantize=quantize)
                 for backend in ("litert", "onnx") for quantize in ("fp32", "int8", "int4")}
-    assert defaults == {("litert", "fp32"): "fp16", ("litert", "int8"): "fp16", ("litert", "int4"): "int8",
+    assert defaults == {("litert", "fp32"): "fp16", ("litert", "int8"): "int8", ("litert", "int4"): "int8",
                         ("onnx", "fp32"): "fp32", ("onnx", "int8"): "fp32", ("onnx", "int4"): "fp32"}
+    assert kv_format(backend="litert", quantize="int8", decode_linears="graph") == "fp16"
+    assert kv_format(backend="litert", quantize="int8", lora_rank=4) == "fp16"
     assert kv_format(backend="litert", quantize="int4", decode_attention="graph") == "fp16"
     assert kv_format(backend="litert", quantize="int4", lora_rank=4) == "fp16"
     assert kv_format(backend="litert", quantize="int4", kv_cache="fp16") == "fp16"
