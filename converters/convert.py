@@ -402,7 +402,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         lora_groups={name: [list(parts), list(targets)] for name, (parts, targets) in groups.items()},
         lora_layout=lora_layout, decode_attention=options.attention_kind,
         prefill_attention=options.prefill_attention_kind,
-        decode_linears=options.linears_kind if options.backend == "litert" else "graph",
+        decode_linears=options.linears_kind,
     )
 
 

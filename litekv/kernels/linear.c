@@ -16,7 +16,8 @@
  * Elsewhere a portable float loop computes the same (without quantizing the activations). */
 #include "linear.h"
 
-#include <math.h>
+#include "attention_common.h" /* half_to_float, LITEKV_INT8_DOT */
+
 #include <string.h>
 
 /* Weight bytes per task: at least 8 tasks a call, so the helper's share evens out, each of 16-128 KB.
@@ -44,22 +45,6 @@ int linear_tasks(const LinearJob *job) { return (job->out + job->rows_per_task -
 
 /* ---- the portable path ---------------------------------------------------------------------- */
 
-static float half_bits_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h >> 15) << 31, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
-    uint32_t bits;
-    if (exponent == 0x1F) {
-        bits = sign | 0x7F800000u | mantissa << 13;
-    } else if (exponent) {
-        bits = sign | (exponent + 112) << 23 | mantissa << 13;
-    } else { /* zero or subnormal: mantissa * 2^-24 */
-        const float f = (float)mantissa * 5.9604644775390625e-8f;
-        return sign ? -f : f;
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 static void rows_portable(const LinearJob *job, int first, int last) {
     const int in = job->in, blocks = job->format == LINEAR_INT4 ? in / job->block : 0;
     for (int t = 0; t < job->tokens; t++) {
@@ -79,7 +64,7 @@ static void rows_portable(const LinearJob *job, int first, int last) {
                         dot += (float)((nibble ^ 8) - 8) * x[k];
                         sum += x[k];
                     }
-                    total += dot * half_bits_to_float(job->block_scales[(size_t)o * blocks + b]) +
+                    total += dot * half_to_float(job->block_scales[(size_t)o * blocks + b]) +
                              sum * (float)job->offsets[(size_t)o * blocks + b] * job->row_scales[o];
                 }
             }
@@ -90,15 +75,11 @@ static void rows_portable(const LinearJob *job, int first, int last) {
 
 /* ---- the AVX-512 VNNI path ------------------------------------------------------------------ */
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define LINEAR_VNNI 1
+#if LITEKV_INT8_DOT
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 4096 /* bytes: the hardware prefetcher stops at 4 KB pages (LM head 1.55 -> 0.69 ms) */
 #endif
-
-int litekv_cpu_has_int8_dot(void);
 
 /* The prepared activations of one token, inside its stride of the scratch. Each block of 32 is
  * int8 with its own scale (largest |x| / 127), as llama.cpp's Q8_0: a scale per token put SmolLM2's
@@ -252,15 +233,13 @@ TARGET static void int8_rows_vnni(const LinearJob *job, int first, int last) {
         }
     }
 }
-#else
-#define LINEAR_VNNI 0
 #endif
 
 /* ---- entry points --------------------------------------------------------------------------- */
 
 static int vector_path(const LinearJob *job) {
-#if LINEAR_VNNI
-    return litekv_cpu_has_int8_dot() && job->in % 32 == 0 && (job->format == LINEAR_INT8 || (job->block == 32 && job->in % 64 == 0));
+#if LITEKV_INT8_DOT
+    return job->in % 32 == 0 && (job->format == LINEAR_INT8 || (job->block == 32 && job->in % 64 == 0));
 #else
     (void)job;
     return 0;
@@ -268,7 +247,7 @@ static int vector_path(const LinearJob *job) {
 }
 
 size_t linear_scratch_bytes(const LinearJob *job) {
-#if LINEAR_VNNI
+#if LITEKV_INT8_DOT
     return (size_t)job->tokens * prepared_stride(job);
 #else
     (void)job;
@@ -282,7 +261,7 @@ void linear_prepare(LinearJob *job, void *scratch) {
     int rows = (int)(task / (bytes ? bytes : 1));
     job->rows_per_task = rows < 4 ? 4 : rows / 4 * 4;
     job->vector = scratch && vector_path(job);
-#if LINEAR_VNNI
+#if LITEKV_INT8_DOT
     if (job->vector) {
         job->prepared = scratch;
         job->prepared_stride = prepared_stride(job);
@@ -295,7 +274,7 @@ void linear_prepare(LinearJob *job, void *scratch) {
 void linear_task(const LinearJob *job, int task) {
     const int first = task * job->rows_per_task, end = first + job->rows_per_task,
               last = end < job->out ? end : job->out;
-#if LINEAR_VNNI
+#if LITEKV_INT8_DOT
     if (job->vector) {
         (job->format == LINEAR_INT4 ? int4_rows_vnni : int8_rows_vnni)(job, first, last);
         return;

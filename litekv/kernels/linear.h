@@ -34,7 +34,8 @@ int linear_check(const LinearJob *job);
 /* Bytes of scratch linear_prepare needs for a job's activations. */
 size_t linear_scratch_bytes(const LinearJob *job);
 /* Chooses the path and, for the vector path, writes the activations into `scratch` (64-byte
- * aligned, linear_scratch_bytes long). Run once per call, before the tasks. */
+ * aligned, linear_scratch_bytes long). Run once per call, before the tasks. Pass a scratch only
+ * where the CPU has AVX-512 VNNI (litekv_cpu_has_int8_dot); NULL runs the portable path. */
 void linear_prepare(LinearJob *job, void *scratch);
 int linear_tasks(const LinearJob *job);
 /* Rows [task * rows_per_task, ...) of y for every token. */
