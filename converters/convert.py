@@ -60,10 +60,15 @@ def default_decode_linears(backend: str, quantize: str, attention: str = "kernel
     LiteRT with int4 or int8 weights and litekv's attention kernel: "kernel". Its activations are
     rounded per 32 (a third of the mean KL against fp32), XNNPACK's worker stays asleep through a
     step (the int4 step grows 1.15-1.22x from 64 to 2,048 tokens, not 1.26-1.33x), and decode is
-    as fast on short contexts (bench/PERFORMANCE.md, fifteenth round). Not with LoRA inputs, whose
-    matmuls stay in XNNPACK and would wake its worker."""
-    quantized = quantize in ("int4", "int8")
-    return "kernel" if backend == "litert" and quantized and attention == "kernel" and not lora else "graph"
+    as fast on short contexts (bench/PERFORMANCE.md, fifteenth round). ONNX with int4 weights:
+    "kernel" too, in a decode graph of its own (one node a projection instead of MatMulNBits and
+    its offsets' three; sixteenth round). Not with LoRA inputs, whose matmuls stay in the runtime's
+    own ops (on LiteRT they would wake XNNPACK's worker; ONNX has no LoRA decode graph)."""
+    if lora:
+        return "graph"
+    if backend == "onnx":
+        return "kernel" if quantize == "int4" else "graph"
+    return "kernel" if quantize in ("int4", "int8") and attention == "kernel" else "graph"
 
 
 @dataclass(frozen=True)
@@ -88,8 +93,9 @@ class ConvertOptions:
     # LiteRT prefill-chunk attention, the same choice. With the kernel a chunk reads only the slots its
     # rows see, so prefill needs no capacity buckets: one entry point per chunk length.
     prefill_attention: str | None = None
-    # LiteRT one-token steps' int4 / int8 linears: "kernel" (litekv's custom ops, on the threads of its
-    # attention kernel) or "graph" (FULLY_CONNECTED in XNNPACK). None: default_decode_linears.
+    # One-token steps' int4 / int8 linears: "kernel" (litekv's custom ops, on the threads of its attention
+    # kernel; ONNX: int4 only, in a decode graph of its own) or "graph" (XNNPACK's FULLY_CONNECTED, ONNX
+    # Runtime's MatMulNBits). None: default_decode_linears.
     decode_linears: str | None = None
 
     def __post_init__(self) -> None:
@@ -144,9 +150,14 @@ class ConvertOptions:
             if self.decode_linears not in ATTENTION_KINDS:
                 raise ConfigError(f"unknown decode linears {self.decode_linears!r}; choose one of "
                                   f"{', '.join(ATTENTION_KINDS)}.")
-            if self.backend == "onnx":
-                raise ConfigError("--decode-linears is a LiteRT option: ONNX Runtime runs its own MatMulNBits. "
-                                  "Drop --decode-linears.")
+            if self.backend == "onnx" and self.decode_linears == "kernel":
+                if self.quantize != "int4":
+                    raise ConfigError("--decode-linears kernel on ONNX is for int4 weights: int8 ones run in "
+                                      "DynamicQuantizeMatMul, whose layout litekv's op does not read. Drop "
+                                      "--decode-linears or use --quantize int4.")
+                if self.lora_rank is not None:
+                    raise ConfigError("--decode-linears kernel on ONNX has no LoRA graph; drop --decode-linears "
+                                      "or --lora-rank.")
         QuantPlan.named(self.quantize, self.lm_head, self.embedding)  # validates the head/table choices
 
     @property
@@ -185,7 +196,7 @@ class ConvertOptions:
         if self.decode_linears is None:
             return default_decode_linears(self.backend, self.quantize, self.attention_kind, self.lora_rank is not None)
         quantized = {self.plan.weights, self.plan.lm_head} & {"int4", "int8"}
-        return "kernel" if self.backend == "litert" and quantized and self.decode_linears == "kernel" else "graph"
+        return "kernel" if quantized and self.decode_linears == "kernel" else "graph"
 
     @property
     def prefill_attention_kind(self) -> str:
@@ -360,6 +371,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
                                     s.tokens, s.capacity, s.lora, tuple(sg.inputs), tuple(sg.outputs))
                       for s, sg in zip(sigs, writer.subgraphs))
         model_file, layout, sampler_file, lora_layout = "model.tflite", "BSHD", None, TFLITE_LORA_LAYOUT
+        decode_model_file = None
     else:
         import onnx
 
@@ -368,12 +380,21 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
 
         # The plain graph always; a LoRA-ready bundle adds a LoRA graph over the same weight file, so
         # running without an adapter costs exactly what a model converted without LoRA costs.
+        linears = options.linears_kind
         model, _ = emit_onnx(cfg, ckpt.weights, plan, None, options.max_context, kv_scales=kv_scales,
-                             kv_dtype=options.kv_dtype)
+                             kv_dtype=options.kv_dtype, decode_linears=linears)
         bar.stage("tracing graph")(1, 1, f"{len(model.graph.node)} nodes")
         onnx.save_model(model, str(staging / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
                         location="model.onnx.data", size_threshold=1024)
         graphs = [("model", model, False)]
+        decode_model_file = None
+        if linears == "kernel":  # decode steps get a graph of their own, over the same weight file
+            step_model, _ = emit_onnx(cfg, ckpt.weights, plan, None, options.max_context, kv_scales=kv_scales,
+                                      kv_dtype=options.kv_dtype, decode_linears=linears, step_graph=True)
+            share_external_data(step_model, str(staging / "model.onnx"))
+            decode_model_file = "model_decode.onnx"
+            onnx.save_model(step_model, str(staging / decode_model_file))
+            graphs.append(("decode", step_model, False))
         groups = {}
         if options.lora is not None:
             lora_model, groups = emit_onnx(cfg, ckpt.weights, plan, options.lora, options.max_context,
@@ -386,8 +407,9 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
             onnx.save_model(emit_onnx_sampler(cfg), str(staging / "sampler.onnx"))
             sampler_file = "sampler.onnx"
         bar.stage("writing model.onnx")(1, 1, "")
-        infos = tuple(SignatureInfo(name, "step", -1, options.max_context, lora,
-                                    tuple(i.name for i in g.graph.input), tuple(o.name for o in g.graph.output))
+        infos = tuple(SignatureInfo(name, "decode" if name == "decode" else "step", 1 if name == "decode" else -1,
+                                    options.max_context, lora, tuple(i.name for i in g.graph.input),
+                                    tuple(o.name for o in g.graph.output))
                       for name, g, lora in graphs)
         model_file, layout, lora_layout = "model.onnx", "BHSD", ONNX_LORA_LAYOUT
     tok = ckpt.tokenizer
@@ -402,7 +424,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         lora_groups={name: [list(parts), list(targets)] for name, (parts, targets) in groups.items()},
         lora_layout=lora_layout, decode_attention=options.attention_kind,
         prefill_attention=options.prefill_attention_kind,
-        decode_linears=options.linears_kind,
+        decode_linears=options.linears_kind, decode_model_file=decode_model_file,
     )
 
 
@@ -442,10 +464,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the slots a chunk sees, so one entry point per chunk length serves every context) or graph "
                         "(builtin ops, one entry point per chunk length and capacity)")
     parser.add_argument("--decode-linears", choices=ATTENTION_KINDS,
-                        help="LiteRT one-token steps' int4 and int8 linears: kernel (default with int4 or int8 "
-                        "weights, the attention kernel and no --lora-rank; litekv's custom ops, on the threads of its "
-                        "attention kernel, with activations rounded per 32; prefill keeps XNNPACK and the weights "
-                        "are stored once) or graph (XNNPACK's FULLY_CONNECTED)")
+                        help="one-token steps' quantized linears: kernel (litekv's custom ops, on the threads of its "
+                        "attention kernel, with activations rounded per 32; prefill keeps the runtime's matmuls and "
+                        "the weights are stored once; default on LiteRT with int4 or int8 weights and the attention "
+                        "kernel, on ONNX with int4 weights, in a decode graph of its own; never with --lora-rank) or "
+                        "graph (XNNPACK's FULLY_CONNECTED, ONNX Runtime's MatMulNBits)")
 
 
 def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:

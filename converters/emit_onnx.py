@@ -31,13 +31,19 @@ _BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div"}
 _ONNX_DTYPE = {"float32": TensorProto.FLOAT, "int32": TensorProto.INT32, "int64": TensorProto.INT64,
                "float16": TensorProto.FLOAT16, "int8": TensorProto.INT8}
 _GQA_K_SCALE = 12  # GroupQueryAttention's k_scale input; v_scale follows
+KERNEL_DOMAIN = "litekv"  # litekv.native_attention registers its ops under it
+GATES = ("silu", "gelu_tanh")  # LinearInt4's `gate` attribute: 1 + the index (ort_ops.c: GATE_)
 
 
 class OnnxOps(GraphOps):
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan, sig: Signature,
                  lora: LoraSpec | None, tables, kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
-                 kv_dtype: str = "float32"):
+                 kv_dtype: str = "float32", decode_linears: str = "graph", step_graph: bool = False):
         super().__init__(cfg, weights, plan, sig, lora, tables)
+        # litekv's linear ops (domain "litekv"): with "kernel", one-row int4 / int8 projections (the
+        # LM head), and in the step graph every int4 one; they read the tensors MatMulNBits reads.
+        self.kernel_linears = decode_linears == "kernel"
+        self.step_graph = step_graph
         self.kv_scales = kv_scales  # (keys, values) [layers, KVH, D]: an int8 cache; None: float32 or float16
         self.kv_dtype = "int8" if kv_scales is not None else kv_dtype
         self.nodes: list[onnx.NodeProto] = []
@@ -46,6 +52,8 @@ class OnnxOps(GraphOps):
         self.outputs: list[onnx.ValueInfoProto] = []
         self._count = 0
         self._weights: dict[str, str] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}  # tensor -> shape, for the nodes' inputs
+        self._gates: dict[str, tuple[str, str]] = {}  # act(first half of a projection) -> (projection, act)
         # output -> (source, source width, start, width): tensors that are a last-axis slice of
         # another one, seen through head reshapes, so attention can take q, k and v as the one
         # fused projection.
@@ -61,6 +69,9 @@ class OnnxOps(GraphOps):
               domain: str = "", **attrs) -> Sym:
         out = self._name(op.lower())
         refs = [i.ref if isinstance(i, Sym) else i for i in inputs]
+        for i in inputs:
+            if isinstance(i, Sym):
+                self._shapes.setdefault(i.ref, i.shape)
         self.nodes.append(helper.make_node(op, refs, [out], domain=domain or None, **attrs))
         return Sym(out, tuple(shape), dtype)
 
@@ -107,8 +118,18 @@ class OnnxOps(GraphOps):
                            "floor": "Floor"}[op], [x], x.shape, x.dtype)
 
     def rms_norm(self, x: Sym, name: str, eps: float) -> Sym:
-        """One SimplifiedLayerNormalization node (ORT's fused RMSNorm) instead of seven elementwise ones."""
+        """One SimplifiedLayerNormalization node (ORT's fused RMSNorm) instead of seven elementwise ones;
+        of a residual sum, one SkipSimplifiedLayerNormalization that also does the add (a node less
+        per norm: a decode step pays ONNX Runtime's per-node cost about 3 us a node)."""
         scale = self._weight(f"{name}.weight", lambda: np.asarray(self.weights[f"{name}.weight"], np.float32))
+        add = next((i for i in range(len(self.nodes) - 1, -1, -1) if x.ref in self.nodes[i].output), None)
+        node = self.nodes[add] if add is not None else None
+        if node is not None and node.op_type == "Add" and self._shapes.get(node.input[0]) == self._shapes.get(
+                node.input[1]) == x.shape and x.dtype == "float32":
+            out = self._name("skipsimplifiedlayernormalization")
+            self.nodes[add] = helper.make_node("SkipSimplifiedLayerNormalization", [*node.input, scale],
+                                               [out, "", "", x.ref], domain="com.microsoft", epsilon=float(eps))
+            return Sym(out, x.shape)
         return self._node("SimplifiedLayerNormalization", [x, scale], x.shape, axis=-1, epsilon=float(eps),
                           stash_type=1)
 
@@ -174,23 +195,85 @@ class OnnxOps(GraphOps):
         out = self._node("Gather", [params, indices], (*indices.shape, width), axis=0)
         return self._node("Cast", [out], out.shape, to=TensorProto.FLOAT) if half else out
 
+    def _int4_tensors(self, weight: str, parts: Sequence[str]) -> tuple[str, str]:
+        """(codes, float16 block scales) of an int4 weight: MatMulNBits' B, each nibble code + 8 with
+        the even element low, which litekv's LinearInt4 reads as they are."""
+        q, scales, _ = self.int4_weights(weight, parts)
+        out_dim, in_dim = q.shape
+
+        def packed() -> np.ndarray:
+            nibbles = (q.astype(np.int16) + 8).astype(np.uint8).reshape(out_dim, in_dim // self.plan.block_size,
+                                                                          self.plan.block_size)
+            return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+        return self._weight(weight, packed), self._weight(weight + ".scales", lambda: scales)
+
+    def _int8_offsets(self, name: str, offsets: np.ndarray) -> tuple[str, str]:
+        """(int8 codes [out, blocks], float32 scale per row) of an int4 weight's block offsets. Their
+        rounding (1/254 of a row's largest offset) is far below that of the int8 activations."""
+        codes, scales = int8_per_channel(offsets)
+        return self._weight(f"{name}.offsets", lambda: codes), self._weight(f"{name}.offsets.scales", lambda: scales)
+
     def matmul_weight(self, x: Sym, weight: str, parts: Sequence[str]) -> Sym:
         out_dim, in_dim = sum(self.weights[p].shape[0] for p in parts), self.weights[parts[0]].shape[1]
         shape = (*x.shape[:-1], out_dim)
         fmt = self.plan.format_for(weight)
         if fmt == "int4":
-            q, scales, _ = self.int4_weights(weight, parts)
-            n_blocks = in_dim // self.plan.block_size
-            nibbles = (q.astype(np.int16) + 8).astype(np.uint8).reshape(out_dim, n_blocks, self.plan.block_size)
-            packed = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
-            return self._node("MatMulNBits", [x, self._weight(weight, lambda: packed),
-                                              self._weight(weight + ".scales", lambda: scales.astype(np.float32))],
-                              shape, domain="com.microsoft", K=in_dim, N=out_dim, bits=4,
-                              block_size=self.plan.block_size, accuracy_level=4)
+            codes, scales16 = self._int4_tensors(weight, parts)
+            # float16 in the file, for litekv's op; ONNX Runtime folds the cast once, at load
+            scales = self._node("Cast", [scales16], (out_dim, in_dim // self.plan.block_size), to=TensorProto.FLOAT)
+            return self._node("MatMulNBits", [x, codes, scales], shape, domain="com.microsoft", K=in_dim, N=out_dim,
+                              bits=4, block_size=self.plan.block_size, accuracy_level=4)
         w = self.stacked(parts)
         if fmt == "int8":
             return self._int8_matmul(x, weight, w, shape)
         return self._node("MatMul", [x, self._weight(weight, lambda: w.T)], shape)
+
+    def activation(self, x: Sym, kind: str) -> Sym:
+        out = super().activation(x, kind)
+        view = self._views.get(x.ref)
+        if self.step_graph and view is not None and view[2] == 0 and 2 * view[3] == view[1]:
+            self._gates[out.ref] = (view[0], kind)  # act(the first half of a projection): see mul
+        return out
+
+    def mul(self, a: Sym, b: Sym) -> Sym:
+        """act(gate) * up, both halves of one LinearInt4's output, as that op's `gate` form: the
+        kernel applies it to its rows, and the two slices, the activation and the product (4 nodes
+        a layer after ONNX Runtime's fusions) leave the step graph."""
+        gate, view = self._gates.get(a.ref), self._views.get(b.ref)
+        if gate is not None and view is not None and view[0] == gate[0] and view[2] == view[3]:
+            node = next((n for n in self.nodes if gate[0] in n.output), None)
+            readers = sum(gate[0] in n.input for n in self.nodes)  # only the two slices, which then go
+            if node is not None and node.op_type == "LinearInt4" and not node.attribute and readers == 2:
+                out = self._name("gated")
+                node.output[0] = out
+                node.attribute.append(helper.make_attribute("gate", GATES.index(gate[1]) + 1))
+                return Sym(out, b.shape)
+        return super().mul(a, b)
+
+    def block_offsets(self, sums: Sym, name: str, offsets: np.ndarray) -> Sym:
+        # The int8 codes times their row scales, transposed: all constant, so ONNX Runtime folds them
+        # into one float initializer at load and this is a float MatMul. DequantizeLinear there
+        # would be fused into an 8-bit MatMulNBits, which rounds the sums to int8 and ran prefill 5 %
+        # slower.
+        codes, scales = self._int8_offsets(name, offsets)
+        column = self._node("Reshape", [scales, self._ints([-1, 1])], (offsets.shape[0], 1))
+        rows = self._node("Mul", [self._node("Cast", [codes], offsets.shape, to=TensorProto.FLOAT), column],
+                          offsets.shape)
+        return self.matmul_input(sums, self._node("Transpose", [rows], offsets.shape[::-1], perm=[1, 0]))
+
+    def project(self, x: Sym, name: str, parts: Sequence[str]) -> Sym:
+        fmt = self.plan.format_for(name)
+        if not self.kernel_linears or fmt not in ("int4", "int8") or not (self.step_graph or x.shape[-2] == 1):
+            return super().project(x, name, parts)
+        out_dim = sum(self.weights[p].shape[0] for p in parts)
+        if fmt == "int4":
+            inputs = [*self._int4_tensors(name, parts), *self._int8_offsets(name, self.int4_weights(name, parts)[2])]
+        else:
+            q, scales = int8_per_channel(self.stacked(parts))
+            inputs = [self._weight(f"{name}.rows", lambda: q), self._weight(f"{name}.scales", lambda: scales)]
+        op = "LinearInt4" if fmt == "int4" else "LinearInt8"
+        return self._node(op, [x, *inputs], (*x.shape[:-1], out_dim), domain=KERNEL_DOMAIN)
 
     def _int8_matmul(self, x: Sym, weight: str, w: np.ndarray, shape: Sequence[int]) -> Sym:
         """x @ W with W int8 per output channel, as DynamicQuantizeMatMul: MLAS's int8 GEMM, as fast
@@ -339,8 +422,8 @@ class OnnxOps(GraphOps):
         self._drop_unused()
         graph = helper.make_graph(self.nodes, f"litekv_{self.cfg.architecture}", self.inputs, self.outputs,
                                   self.initializers)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
-                                                        helper.make_opsetid("com.microsoft", 1)],
+        domains = [("", OPSET), ("com.microsoft", 1)] + ([(KERNEL_DOMAIN, 1)] if self.kernel_linears else [])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in domains],
                                   producer_name="litekv")
         model.ir_version = IR_VERSION
         return model
@@ -374,13 +457,16 @@ def _broadcast(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
 def emit_onnx(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan, lora: LoraSpec | None,
               max_context: int, progress: Callable[[str], None] | None = None,
               kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
-              kv_dtype: str = "float32") -> onnx.ModelProto:
+              kv_dtype: str = "float32", decode_linears: str = "graph", step_graph: bool = False) -> onnx.ModelProto:
     """Trace the architecture once into an ONNX model with a dynamic token axis; with
-    `kv_scales` (see kv_calibration) the KV cache is int8, else of `kv_dtype` (float32 or float16)."""
+    `kv_scales` (see kv_calibration) the KV cache is int8, else of `kv_dtype` (float32 or float16).
+    decode_linears="kernel": one-row quantized projections run in litekv's ops, and with
+    `step_graph` (the graph for decode steps) every int4 projection does."""
     weights = dict(weights)
     weights.setdefault("lm_head.weight", weights["embed.weight"])
-    sig = Signature("model", T_DIM, max_context, lora=lora is not None)
-    ops = OnnxOps(cfg, weights, plan, sig, lora, rope_tables(cfg, max_context), kv_scales, kv_dtype)
+    sig = Signature("decode" if step_graph else "model", T_DIM, max_context, lora=lora is not None)
+    ops = OnnxOps(cfg, weights, plan, sig, lora, rope_tables(cfg, max_context), kv_scales, kv_dtype, decode_linears,
+                  step_graph)
     ops.begin(max_context)
     model = ops.finish(architecture(cfg.architecture).forward(ops, cfg))
     if progress:

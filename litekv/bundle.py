@@ -25,8 +25,10 @@ FORMAT = "litekv-bundle"
 # 7: the KV cache may be float16 (`kv_dtype`), read by the kernels' f16 forms (ONNX: GroupQueryAttention in float16).
 # 8: a TFLite int8 KV cache may have a scale per row (`kv_row_scales`), read by the kernels' int8_rows forms.
 # 9: TFLite one-token steps may run their quantized linears in litekv's custom ops (`decode_linears`).
-VERSION = 9
-READABLE_VERSIONS = (3, 4, 5, 6, 7, 8, 9)
+# 10: ONNX int4 bundles may run decode steps in a graph of their own (`decode_model_file`) whose int4
+# projections are litekv's ops; their block scales are float16 and their offsets int8 in every ONNX int4 bundle.
+VERSION = 10
+READABLE_VERSIONS = (3, 4, 5, 6, 7, 8, 9, 10)
 ATTENTION_KINDS = ("kernel", "graph")
 SAMPLER_SIGNATURE = "sampler"
 # The sampler graph's scalar inputs, each of shape [1], in order: (name, dtype).
@@ -84,9 +86,11 @@ class Manifest:
     prefill_attention: str = "graph"
     # int8 cache codes with a scale per token and KV head (tensors kv_scale_<k|v>_<layer>, [1, KVH, S])
     kv_row_scales: bool = False
-    # TFLite one-token steps' int4 and int8 linears: "kernel" (litekv.linear_int4 / linear_int8, reading
-    # the weights prefill's FULLY_CONNECTED ops use) or "graph" (FULLY_CONNECTED in XNNPACK)
+    # One-token steps' int4 and int8 linears: "kernel" (litekv's ops, reading the weights prefill's
+    # FULLY_CONNECTED or MatMulNBits ops use) or "graph" (FULLY_CONNECTED in XNNPACK, MatMulNBits)
     decode_linears: str = "graph"
+    # ONNX: the graph decode steps run, beside `model_file` and over its weight file (decode_linears "kernel")
+    decode_model_file: str | None = None
 
     @property
     def uses_attention_kernel(self) -> bool:
@@ -139,9 +143,12 @@ class Manifest:
                                        or manifest.kv_buckets != (manifest.max_context,)):
             raise BundleError(f"{where}: a KV cache with row scales must be int8 on LiteRT with litekv's attention "
                               "kernels, at one capacity; reconvert the model.")
-        if manifest.decode_linears == "kernel" and manifest.backend != "litert":
-            raise BundleError(f"{where}: litekv's linear kernels are LiteRT custom ops, and this is a "
-                              f"{manifest.backend} bundle; reconvert the model.")
+        if manifest.decode_linears == "kernel" and manifest.backend != "litert" and not manifest.decode_model_file:
+            raise BundleError(f"{where}: an ONNX bundle with litekv's linear kernels needs its decode graph, and the "
+                              "manifest names none; reconvert the model.")
+        if manifest.decode_model_file and (manifest.backend != "onnx" or manifest.decode_linears != "kernel"):
+            raise BundleError(f"{where}: a separate decode graph is for ONNX bundles with litekv's linear kernels; "
+                              "reconvert the model.")
         return manifest
 
 
@@ -154,8 +161,9 @@ def read_manifest(bundle: str | Path) -> Manifest:
     except OSError as e:
         raise BundleError(f"{path}: cannot be read ({e.strerror}).") from e
     manifest = Manifest.from_json(text, str(path))
-    if not (Path(bundle) / manifest.model_file).exists():
-        raise BundleError(f"{bundle}: the model file {manifest.model_file} is missing; reconvert the model.")
+    for name in filter(None, (manifest.model_file, manifest.decode_model_file)):
+        if not (Path(bundle) / name).exists():
+            raise BundleError(f"{bundle}: the model file {name} is missing; reconvert the model.")
     return manifest
 
 

@@ -74,12 +74,14 @@ class CustomOpKernel(ctypes.Structure):
 
 
 _library: ctypes.CDLL | None = None
+_library_path: str | None = None
 _load_error: str | None = None
 _lock = threading.Lock()
+_ort_lock = threading.Lock()
 
 
 def _load() -> ctypes.CDLL:
-    global _library, _load_error
+    global _library, _library_path, _load_error
     with _lock:
         if _library is None and _load_error is None:
             spec = importlib.util.find_spec(_MODULE)
@@ -115,10 +117,17 @@ def _load() -> ctypes.CDLL:
                         lib.litekv_linear_run.restype = ctypes.c_int
                         lib.litekv_linear_run.argtypes = [ctypes.POINTER(AttentionConfig), ctypes.c_int,
                                                           *[ctypes.c_void_p] * 6, *[ctypes.c_int] * 4]
-                    except AttributeError:  # a library built before the prefill kernel or the linears
-                        _load_error = f"{spec.origin} is out of date (no prefill or linear kernel); reinstall litekv"
+                        lib.litekv_ort_prepare.argtypes = [ctypes.POINTER(AttentionConfig)]
+                        lib.litekv_ort_prepare.restype = None
+                        lib.litekv_ort_take.argtypes = []
+                        lib.litekv_ort_take.restype = ctypes.c_void_p
+                        lib.litekv_ort_release.argtypes = [ctypes.c_void_p]
+                        lib.litekv_ort_release.restype = None
+                    except AttributeError:  # a library built before the prefill kernel, the linears or ort_ops.c
+                        _load_error = (f"{spec.origin} is out of date (no prefill kernel, linears or ONNX Runtime "
+                                       "ops); reinstall litekv")
                     else:
-                        _library = lib
+                        _library, _library_path = lib, spec.origin
     if _library is None:
         raise MissingDependency(_load_error)
     return _library
@@ -213,6 +222,7 @@ class AttentionKernel:
                  int8_dot: bool = True):
         lib = _load()
         self._lib = lib
+        self._onnx_registrations: list[int] = []  # litekv_ort_take()'s, freed by release()
         # One config (scratch, helper thread) serves every op: a model uses the pair for its cache type.
         self.kernels = {name: CustomOpKernel() for name in (*_FORMS, *LINEAR_OP_NAMES, ROPE_OP_NAME)}
         for name, kernel in self.kernels.items():
@@ -310,6 +320,24 @@ class AttentionKernel:
             raise ValueError(f"linear rejected the shapes (status {status})")
         return y
 
+    def onnx_session(self, model, options, providers=None):
+        """An onnxruntime.InferenceSession of `model` (a path or the model's bytes) whose graph may
+        call litekv's linears (domain "litekv", ops "LinearInt4" and "LinearInt8"), running on this
+        kernel's state and helper thread. The session keeps this kernel alive: the ops' state and
+        their registration are freed only after the session, and every IO binding holding it, is gone."""
+        import onnxruntime
+
+        with _ort_lock:  # the library takes the config of the registration in progress
+            self._lib.litekv_ort_prepare(ctypes.byref(self.config))
+            options.register_custom_ops_library(_library_path)
+            registration = self._lib.litekv_ort_take()
+        if not registration:
+            raise MissingDependency("onnxruntime did not register litekv's linear ops; upgrade onnxruntime")
+        self._onnx_registrations.append(registration)
+        session = onnxruntime.InferenceSession(model, options, providers=providers)
+        session.litekv_kernel = self
+        return session
+
     def stats(self) -> AttentionStats:
         """Counters since this registration was made; read them between model calls."""
         counters = (ctypes.c_uint64 * 6)()
@@ -319,9 +347,11 @@ class AttentionKernel:
 
     def release(self) -> None:
         self._lib.litekv_attention_release(ctypes.byref(self.config))
+        while self._onnx_registrations:
+            self._lib.litekv_ort_release(self._onnx_registrations.pop())
 
     def __del__(self) -> None:
-        if getattr(self, "_lib", None) is not None and self.config.state:
+        if getattr(self, "_lib", None) is not None and (self.config.state or self._onnx_registrations):
             self.release()
 
 

@@ -354,8 +354,11 @@ def test_manifest_versions(tmp_path):
     eight = {**data, "version": 8}
     eight.pop("decode_linears")  # before the linear kernels: XNNPACK's
     assert Manifest.from_json(json.dumps(eight), "eight").decode_linears == "graph"
-    with pytest.raises(BundleError, match="version 10 is not supported.*reads versions 3, 4, 5, 6, 7, 8, 9"):
-        Manifest.from_json(json.dumps({**data, "version": 10}), "new")
+    nine = {**data, "version": 9}
+    nine.pop("decode_model_file")  # before ONNX decode graphs: none
+    assert Manifest.from_json(json.dumps(nine), "nine").decode_model_file is None
+    with pytest.raises(BundleError, match="version 11 is not supported.*reads versions 3, 4, 5, 6, 7, 8, 9, 10"):
+        Manifest.from_json(json.dumps({**data, "version": 11}), "new")
     with pytest.raises(BundleError, match="unknown KV cache dtype 'bfloat16'; reconvert"):
         Manifest.from_json(json.dumps({**data, "kv_dtype": "bfloat16"}), "new")
     six = dict(data)

@@ -133,26 +133,30 @@ def test_decode_reads_the_prefill_weights_in_custom_ops(quantize):
     assert sizes[0] < 1.05 * sizes[1]
 
 
-def test_the_kernels_are_the_default_for_litert_quantized_weights():
+def test_the_kernels_are_the_default_for_quantized_weights():
     def kind(**options):
         return ConvertOptions(max_context=64, prefill_lengths=(8,), **options).linears_kind
 
     assert kind(backend="litert", quantize="int4") == kind(backend="litert", quantize="int8") == "kernel"
-    assert kind(backend="litert", quantize="fp32") == kind(backend="onnx", quantize="int4") == "graph"
+    assert kind(backend="onnx", quantize="int4") == "kernel"
+    assert kind(backend="litert", quantize="fp32") == kind(backend="onnx", quantize="int8") == "graph"
     assert kind(backend="litert", quantize="int4", lora_rank=4) == "graph"  # LoRA's matmuls stay in XNNPACK
+    assert kind(backend="onnx", quantize="int4", lora_rank=4) == "graph"
     assert kind(backend="litert", quantize="int4", decode_attention="graph", prefill_attention="graph") == "graph"
     assert kind(backend="litert", quantize="int4", decode_linears="graph") == "graph"
 
 
-def test_fp32_weights_and_onnx_keep_graph_linears():
+def test_fp32_weights_keep_graph_linears_and_onnx_takes_kernels_for_int4_only():
     assert ConvertOptions(backend="litert", quantize="fp32", decode_linears="kernel").linears_kind == "graph"
-    with pytest.raises(ConfigError, match="LiteRT option"):
-        ConvertOptions(backend="onnx", quantize="int4", decode_linears="kernel")
+    with pytest.raises(ConfigError, match="int4 weights"):
+        ConvertOptions(backend="onnx", quantize="int8", decode_linears="kernel")
+    with pytest.raises(ConfigError, match="no LoRA graph"):
+        ConvertOptions(backend="onnx", quantize="int4", decode_linears="kernel", lora_rank=4)
     with pytest.raises(ConfigError, match="unknown decode linears"):
         ConvertOptions(backend="litert", quantize="int4", decode_linears="fast")
 
 
-def test_an_onnx_manifest_with_kernel_linears_is_refused():
+def test_an_onnx_manifest_with_kernel_linears_and_no_decode_graph_is_refused():
     manifest = read_manifest(bundle("llama", "int4", "kernel"))
     text = manifest.to_json().replace('"backend": "litert"', '"backend": "onnx"')
     with pytest.raises(BundleError, match="reconvert"):

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from litekv.bundle import SAMPLER_INPUTS, Manifest
+from litekv import native_attention
+from litekv.bundle import SAMPLER_INPUTS, BundleError, Manifest
 from litekv.errors import AcceleratorUnavailable, BackendError, Cancelled, MissingDependency
 from litekv.kv_cache import KVCache, aligned_zeros
 from litekv.resident_pages import FileMappings, ModelFilePages, mapped_ranges
@@ -27,6 +28,10 @@ _PROVIDERS = {
     "gpu": ("CUDAExecutionProvider", "ROCMExecutionProvider", "DmlExecutionProvider", "CoreMLExecutionProvider"),
     "npu": ("QNNExecutionProvider", "OpenVINOExecutionProvider", "VitisAIExecutionProvider"),
 }
+# ONNX Runtime threads of the decode-step graph of a bundle with litekv's linear ops. Those ops
+# share their rows between the caller and litekv's own helper thread, so a pool worker of ONNX
+# Runtime spinning between nodes would take the helper's core.
+DECODE_GRAPH_THREADS = 1
 # Longest chunk per call. 256 beats 512 and 1,024 at a 1,024-token prompt (fp32 830 vs 740 vs 620 tok/s,
 # int8 1,260 vs 1,070): the smaller working set stays in cache; it also bounds activation memory.
 PREFILL_CHUNK = 256
@@ -77,7 +82,7 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
                  threads: int | None = None):
         super().__init__(manifest.config, manifest.max_context, (PREFILL_CHUNK,), manifest.lora_rank,
                          manifest.lora_targets)
-        ort = _ort()
+        ort = self._ort = _ort()
         self.accelerator, providers = choose_providers(accelerator)
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads or 2
@@ -87,8 +92,16 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         self._lora_session = None  # the LoRA graph, opened when the first adapter is loaded
         data_file = bundle / (manifest.model_file + ".data")
         mapped_before = mapped_ranges(data_file)  # other sessions of this file in the process: not ours
+        kernel = self._linear_kernel(bundle, manifest, threads or 2)
         try:
-            self.session = ort.InferenceSession(str(bundle / manifest.model_file), options, providers=providers)
+            self.session = self._session(bundle / manifest.model_file, options, kernel)
+            # Decode steps run their own graph where it has one (litekv's linear ops), else the same.
+            self.decode_session = self.session
+            if manifest.decode_model_file:
+                step_options = ort.SessionOptions()
+                step_options.intra_op_num_threads = DECODE_GRAPH_THREADS
+                step_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+                self.decode_session = self._session(bundle / manifest.decode_model_file, step_options, kernel)
             self.sampler = (ort.InferenceSession(str(bundle / manifest.sampler_file), _single_thread(ort),
                                                  providers=providers) if manifest.sampler_file else None)
         except Exception as e:  # onnxruntime raises its own exception types
@@ -101,10 +114,26 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             # pages (packing leftovers and a prefill's embedding rows: 50 MB of the int4 SmolLM2
             # file after a 1,024-token prompt) can be given back like LiteRT's.
             self.model_pages = ModelFilePages(FileMappings(data_file, exclude=mapped_before, seal_unwritten=True))
-        self._ort = ort
         self._run_options = ort.RunOptions()
         self._options_lock = threading.Lock()
         self.manifest = manifest
+
+    @staticmethod
+    def _linear_kernel(bundle: Path, manifest: Manifest, threads: int):
+        """litekv's linear ops for a bundle whose graphs call them, else None."""
+        if manifest.decode_linears != "kernel":
+            return None
+        cfg = manifest.config
+        try:
+            return native_attention.AttentionKernel(cfg.head_dim, cfg.num_heads, manifest.max_context, threads)
+        except MissingDependency as e:
+            raise BundleError(f"{bundle}: its decode steps run litekv's linear ops, and {e}. Or reconvert the model "
+                              "with --decode-linears graph, which needs ONNX Runtime's own ops only.") from e
+
+    def _session(self, path: Path, options, kernel):
+        if kernel is None:
+            return self._ort.InferenceSession(str(path), options, providers=self._providers)
+        return kernel.onnx_session(str(path), options, self._providers)
 
     # ---- caches and bindings -------------------------------------------------------------------
     def create_kv_cache(self, batch_size: int = 1) -> KVCache:
@@ -132,7 +161,10 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
 
     def _run(self, tokens: np.ndarray, start: int, kv_cache: KVCache, row: int, adapter: LoraAdapter | None):
         lora_id, lora = self._prepared_inputs(adapter)
-        session = self.session if adapter is None else self._lora_session
+        if adapter is not None:
+            session = self._lora_session
+        else:
+            session = self.decode_session if len(tokens) == 1 else self.session
         binding = self._binding(kv_cache, row, session)
         binding.prepare(tokens, start, lora_id, lora or {})
         try:

@@ -758,11 +758,11 @@ static Status linear_job(LinearJob *job, int format, const float *x, size_t nx, 
                          const uint16_t *block_scales, size_t nblock_scales, const int8_t *offsets, size_t noffsets,
                          const float *row_scales, size_t out, float *y, size_t ny) {
     if (out == 0 || ncodes % out) return STATUS_INVALID_ARGUMENT;
-    const size_t in = format == LINEAR_INT4 ? 2 * (ncodes / out) : ncodes / out;
+    const size_t in = linear_format_int4(format) ? 2 * (ncodes / out) : ncodes / out;
     if (in == 0 || nx % in || ny != nx / in * out || nx / in > INT32_MAX || in > INT32_MAX || out > INT32_MAX)
         return STATUS_INVALID_ARGUMENT;
     size_t block = 0;
-    if (format == LINEAR_INT4) {
+    if (linear_format_int4(format)) {
         const size_t blocks = nblock_scales / out;
         if (blocks == 0 || nblock_scales != blocks * out || noffsets != nblock_scales || in % blocks)
             return STATUS_INVALID_ARGUMENT;
@@ -882,11 +882,12 @@ int litekv_rope_kernel(Kernel *kernel) {
 int litekv_linear_run(AttentionConfig *cfg, int format, const float *x, float *y, const void *codes,
                       const uint16_t *block_scales, const int8_t *offsets, const float *row_scales, int tokens, int in,
                       int out, int block) {
-    if (tokens <= 0 || in <= 0 || out <= 0 || (format == LINEAR_INT4 && (block <= 0 || in % block)))
+    const int int4 = linear_format_int4(format);
+    if (tokens <= 0 || in <= 0 || out <= 0 || (format != LINEAR_INT8 && !int4) || (int4 && (block <= 0 || in % block)))
         return STATUS_INVALID_ARGUMENT;
     if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
-    const size_t n_out = (size_t)out, blocks = format == LINEAR_INT4 ? (size_t)(in / block) * n_out : 0;
-    const size_t ncodes = format == LINEAR_INT4 ? n_out * (size_t)in / 2 : n_out * (size_t)in;
+    const size_t n_out = (size_t)out, blocks = int4 ? (size_t)(in / block) * n_out : 0;
+    const size_t ncodes = int4 ? n_out * (size_t)in / 2 : n_out * (size_t)in;
     LinearJob job;
     Status status = linear_job(&job, format, x, (size_t)tokens * in, codes, ncodes, block_scales, blocks, offsets,
                                blocks, row_scales, n_out, y, (size_t)tokens * n_out);

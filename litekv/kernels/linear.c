@@ -18,6 +18,7 @@
 
 #include "attention_common.h" /* half_to_float, LITEKV_INT8_DOT */
 
+#include <math.h>
 #include <string.h>
 
 /* Weight bytes per task: at least 8 tasks a call, so the helper's share evens out, each of 16-128 KB.
@@ -33,12 +34,12 @@ int linear_check(const LinearJob *job) {
     if (job->tokens <= 0 || job->in <= 0 || job->out <= 0 || !job->x || !job->y || !job->codes || !job->row_scales)
         return 1;
     if (job->format == LINEAR_INT8) return 0;
-    if (job->format != LINEAR_INT4 || job->block <= 0 || job->block % 2 || job->in % job->block) return 1;
+    if (!linear_format_int4(job->format) || job->block <= 0 || job->block % 2 || job->in % job->block) return 1;
     return !job->block_scales || !job->offsets;
 }
 
 static size_t row_bytes(const LinearJob *job) {
-    return job->format == LINEAR_INT4 ? (size_t)job->in / 2 : (size_t)job->in;
+    return linear_format_int4(job->format) ? (size_t)job->in / 2 : (size_t)job->in;
 }
 
 int linear_tasks(const LinearJob *job) { return (job->out + job->rows_per_task - 1) / job->rows_per_task; }
@@ -46,7 +47,8 @@ int linear_tasks(const LinearJob *job) { return (job->out + job->rows_per_task -
 /* ---- the portable path ---------------------------------------------------------------------- */
 
 static void rows_portable(const LinearJob *job, int first, int last) {
-    const int in = job->in, blocks = job->format == LINEAR_INT4 ? in / job->block : 0;
+    const int in = job->in, blocks = linear_format_int4(job->format) ? in / job->block : 0;
+    const int flip = job->format == LINEAR_INT4 ? 8 : 0; /* a signed nibble's bits XOR 8 are code + 8 */
     for (int t = 0; t < job->tokens; t++) {
         const float *x = job->x + (size_t)t * in;
         for (int o = first; o < last; o++) {
@@ -61,7 +63,7 @@ static void rows_portable(const LinearJob *job, int first, int last) {
                     float dot = 0.0f, sum = 0.0f;
                     for (int k = b * job->block; k < (b + 1) * job->block; k++) {
                         const int nibble = (w[k / 2] >> (4 * (k & 1))) & 0xF;
-                        dot += (float)((nibble ^ 8) - 8) * x[k];
+                        dot += (float)((nibble ^ flip) - 8) * x[k];
                         sum += x[k];
                     }
                     total += dot * half_to_float(job->block_scales[(size_t)o * blocks + b]) +
@@ -167,7 +169,7 @@ TARGET static void prepare_token(const LinearJob *job, const float *x, uint8_t *
 TARGET static inline void int4_group(const LinearJob *job, const Prepared *a, int o, int R, float *y) {
     const int in = job->in, blocks = in / 32, spans = (in + 127) / 128;
     const size_t bytes = (size_t)in / 2;
-    const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(0x08);
+    const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(job->format == LINEAR_INT4 ? 0x08 : 0);
     __m512 acc[4], scales[4] = {0}, offset_acc[4];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), offset_acc[r] = _mm512_setzero_ps();
     for (int c = 0; c < spans; c++) {
@@ -192,9 +194,9 @@ TARGET static inline void int4_group(const LinearJob *job, const Prepared *a, in
             const uint8_t *w = (const uint8_t *)job->codes + (size_t)(o + r) * bytes + 64 * c;
             __builtin_prefetch(w + PREFETCH_AHEAD, 0, 2);
             const __m512i codes = _mm512_maskz_loadu_epi8(m, w);
-            /* (nibble & 0xF) ^ 8 in one ternary-logic op: the code + 8 */
-            const __m512i lo = _mm512_ternarylogic_epi32(codes, low, eight, 0x6A),
-                          hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(codes, 4), low, eight, 0x6A);
+            /* (nibble & 0xF) ^ flip in one ternary-logic op: the code + 8 */
+            const __m512i lo = _mm512_ternarylogic_epi32(codes, low, flip, 0x6A),
+                          hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(codes, 4), low, flip, 0x6A);
             const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo, even), hi, odd);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(spread, scales[r]), acc[r]);
         }
@@ -234,6 +236,66 @@ TARGET static void int8_rows_vnni(const LinearJob *job, int first, int last) {
     }
 }
 #endif
+
+/* ---- gates ------------------------------------------------------------------------------------ */
+
+static float gate_scalar(float g, int gate) {
+    if (gate == LINEAR_GATE_SILU) return g / (1.0f + expf(-g));
+    return 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
+}
+
+#if LITEKV_INT8_DOT
+/* e^x for 16 lanes: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor series to r^7 (relative
+ * error below 2e-7), times 2^n by vscalefps. libm's expf one lane at a time took 13 us of a 3,072-row
+ * gated call, more than the nodes the gate replaces. */
+TARGET static __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r); /* ln 2 in two parts: r stays exact */
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    static const float taylor[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    for (int i = 0; i < 7; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(taylor[i]));
+    return _mm512_scalef_ps(p, n);
+}
+
+TARGET static void gate_vector(const float *g, const float *u, float *out, size_t n, int gate) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = _mm512_loadu_ps(g + i);
+        __m512 act;
+        if (gate == LINEAR_GATE_SILU) {
+            act = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+        } else { /* 0.5 x (1 + tanh y) = x (1 - 1 / (e^(2y) + 1)) */
+            const __m512 y = _mm512_mul_ps(_mm512_set1_ps(0.7978845608f),
+                                           _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), x),
+                                                           _mm512_mul_ps(x, x), x));
+            const __m512 e = exp16(_mm512_add_ps(y, y));
+            act = _mm512_mul_ps(x, _mm512_sub_ps(one, _mm512_div_ps(one, _mm512_add_ps(e, one))));
+        }
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(act, _mm512_loadu_ps(u + i)));
+    }
+    for (; i < n; i++) out[i] = gate_scalar(g[i], gate) * u[i];
+}
+#endif
+
+void linear_gate(const float *rows, float *y, size_t tokens, size_t half, int gate) {
+#if LITEKV_INT8_DOT
+    const int vector = litekv_cpu_has_int8_dot(); /* AVX-512 F, with VNNI */
+#endif
+    for (size_t t = 0; t < tokens; t++) {
+        const float *g = rows + 2 * half * t, *u = g + half;
+        float *out = y + half * t;
+#if LITEKV_INT8_DOT
+        if (vector) {
+            gate_vector(g, u, out, half, gate);
+            continue;
+        }
+#endif
+        for (size_t i = 0; i < half; i++) out[i] = gate_scalar(g[i], gate) * u[i];
+    }
+}
 
 /* ---- entry points --------------------------------------------------------------------------- */
 
@@ -276,7 +338,7 @@ void linear_task(const LinearJob *job, int task) {
               last = end < job->out ? end : job->out;
 #if LITEKV_INT8_DOT
     if (job->vector) {
-        (job->format == LINEAR_INT4 ? int4_rows_vnni : int8_rows_vnni)(job, first, last);
+        (linear_format_int4(job->format) ? int4_rows_vnni : int8_rows_vnni)(job, first, last);
         return;
     }
 #endif

@@ -12,7 +12,12 @@ enum {
                         [out, in/block]; offsets int8 [out, in/block] times offset_scales [out]:
                         W[o, k] = code * scale[o, b] + offset[o, b] * offset_scale[o] for k in block b */
     LINEAR_INT8 = 1, /* codes: int8 [out, in]; row_scales [out]: W[o, k] = code * row_scale[o] */
+    LINEAR_UINT4 = 2, /* LINEAR_INT4 with each nibble holding code + 8, unsigned: the layout of ONNX
+                         Runtime's MatMulNBits without zero points, so one tensor serves both */
 };
+
+/* Whether a format holds 4-bit codes (LINEAR_INT4 or LINEAR_UINT4). */
+static inline int linear_format_int4(int format) { return format == LINEAR_INT4 || format == LINEAR_UINT4; }
 
 typedef struct {
     const float *x;  /* [tokens][in] */
@@ -40,6 +45,11 @@ void linear_prepare(LinearJob *job, void *scratch);
 int linear_tasks(const LinearJob *job);
 /* Rows [task * rows_per_task, ...) of y for every token. */
 void linear_task(const LinearJob *job, int task);
+
+/* A gated MLP's activations: y [tokens][half] = act(rows [0, half)) * rows [half, 2 half) of each
+ * token's 2 half rows, act silu (LINEAR_GATE_SILU) or tanh-approximated gelu (LINEAR_GATE_GELU_TANH). */
+enum { LINEAR_GATE_SILU = 1, LINEAR_GATE_GELU_TANH = 2 };
+void linear_gate(const float *rows, float *y, size_t tokens, size_t half, int gate);
 
 /* rope.c: x and out [tokens][heads][dim], cos and sin [tokens][dim]; out = x cos + rotate_half(x) sin. */
 void rope_apply(const float *x, const float *cos, const float *sin, float *out, int tokens, int heads, int dim);

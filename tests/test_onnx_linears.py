@@ -1,0 +1,189 @@
+"""ONNX int4 bundles' decode graph: litekv's linears as ONNX Runtime custom ops (kernels/ort_ops.c,
+domain "litekv"), reading the tensors the prefill graph's MatMulNBits reads."""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from conformance import _ROOT, PREFILL_LENGTHS, checkpoint_dir, relative_error
+from litekv import native_attention
+from litekv.bundle import BundleError, Manifest, read_manifest
+from litekv.converters.convert import ConvertOptions, convert
+from litekv.converters.emit_onnx import GATES, KERNEL_DOMAIN
+from litekv.converters.quantize import int8_per_channel
+from litekv.executor import open_executor
+from litekv.native_attention import AttentionKernel
+from model_factory import ARCHITECTURES
+from test_decode_linears import int4_operands, rounding_bound
+
+pytestmark = pytest.mark.skipif(not native_attention.available(), reason="the linears are litekv's kernels")
+
+
+def op_model(op: str, x_width: int, out_width: int, weights: dict[str, np.ndarray], **attributes) -> bytes:
+    """A one-node graph: y = op(x, *weights)."""
+    node = helper.make_node(op, ["x", *weights], ["y"], domain=KERNEL_DOMAIN, **attributes)
+    graph = helper.make_graph([node], "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", x_width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", out_width])],
+                              [numpy_helper.from_array(np.ascontiguousarray(a), n) for n, a in weights.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(KERNEL_DOMAIN, 1)])
+    model.ir_version = 10
+    return model.SerializeToString()
+
+
+def session(model: bytes, kernel: AttentionKernel) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return kernel.onnx_session(model, options)
+
+
+def onnx_int4(w: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """LinearInt4's inputs for w (MatMulNBits' unsigned nibbles), and the weight they stand for."""
+    packed, scales, offset_codes, offset_scales, exact = int4_operands(w)
+    unsigned = packed ^ 0x88  # each signed nibble's bits XOR 8: the code + 8
+    return {"codes": unsigned.reshape(len(w), -1, 16), "scales": scales, "offsets": offset_codes,
+            "offset_scales": offset_scales}, exact
+
+
+def silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+@pytest.mark.parametrize("vector", [True, False], ids=["vnni-if-present", "portable"])
+@pytest.mark.parametrize("out_dim, in_dim", [(960, 576), (38, 1536), (6, 64)])
+def test_linears_match_numpy(vector, out_dim, in_dim):
+    """LinearInt4 and LinearInt8 against the weights they stand for, one token and three, with
+    activations whose blocks differ 1000x in size (the bound is the activations' own rounding)."""
+    rng = np.random.default_rng(out_dim)
+    w = rng.normal(size=(out_dim, in_dim)).astype(np.float32) + 0.3
+    kernel = AttentionKernel(16, 4, 64, threads=2, int8_dot=vector)
+    int4_inputs, exact4 = onnx_int4(w)
+    codes8, scales8 = int8_per_channel(w)
+    cases = ((session(op_model("LinearInt4", in_dim, out_dim, int4_inputs), kernel), exact4),
+             (session(op_model("LinearInt8", in_dim, out_dim, {"codes": codes8, "scales": scales8}), kernel),
+              codes8 * scales8[:, None]))
+    for tokens in (1, 3):
+        x = rng.normal(size=(tokens, in_dim)).astype(np.float32)
+        x[:, :32] *= 1000.0
+        for model, exact in cases:
+            got, want = model.run(None, {"x": x})[0], x @ exact.T
+            if vector:
+                assert np.all(np.abs(got - want) <= 1.01 * rounding_bound(exact, x) + 1e-3)
+            else:
+                np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("vector", [True, False], ids=["vnni-if-present", "portable"])
+def test_a_gated_linear_applies_its_activation_to_the_first_half(gate, vector):
+    rng = np.random.default_rng(7)
+    w = rng.normal(size=(2 * 40, 64)).astype(np.float32)
+    inputs, exact = onnx_int4(w)
+    kernel = AttentionKernel(16, 4, 64, threads=2, int8_dot=vector)
+    model = session(op_model("LinearInt4", 64, 40, inputs, gate=GATES.index(gate) + 1), kernel)
+    plain = session(op_model("LinearInt4", 64, 80, inputs), kernel)
+    x = rng.normal(size=(2, 64)).astype(np.float32) * 3
+    rows = plain.run(None, {"x": x})[0]
+    act = {"silu": silu, "gelu_tanh": gelu_tanh}[gate]
+    np.testing.assert_allclose(model.run(None, {"x": x})[0], act(rows[:, :40]) * rows[:, 40:], rtol=1e-5, atol=1e-5)
+
+
+def test_shapes_that_disagree_and_unknown_gates_are_refused():
+    rng = np.random.default_rng(1)
+    inputs, _ = onnx_int4(rng.normal(size=(8, 64)).astype(np.float32))
+    kernel = AttentionKernel(16, 4, 64, threads=1)
+    short = {**inputs, "offset_scales": inputs["offset_scales"][:5]}  # 5 row scales for 8 rows
+    with pytest.raises(Exception, match="shapes disagree"):
+        session(op_model("LinearInt4", 64, 8, short), kernel).run(None, {"x": np.ones((1, 64), np.float32)})
+    with pytest.raises(Exception, match=r"tensor\(float\)' of input parameter \(scales\)"):  # the op's declared types
+        session(op_model("LinearInt4", 64, 8, {**inputs, "scales": inputs["scales"].astype(np.float32)}),
+                kernel).run(None, {"x": np.ones((1, 64), np.float32)})
+    with pytest.raises(Exception, match="unknown gate"):
+        session(op_model("LinearInt4", 64, 4, inputs, gate=7), kernel)
+
+
+def test_the_library_registers_only_through_litekv():
+    options = ort.SessionOptions()
+    native_attention._load()
+    with pytest.raises(Exception, match="through litekv"):
+        options.register_custom_ops_library(native_attention._library_path)
+
+
+@lru_cache(maxsize=None)
+def bundle(arch: str, linears: str) -> Path:
+    options = ConvertOptions(backend="onnx", quantize="int4", max_context=64, prefill_lengths=PREFILL_LENGTHS,
+                             decode_linears=linears)
+    return convert(checkpoint_dir(arch), _ROOT / f"{arch}-onnx-int4-{linears}-linears", options)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_steps_follow_the_graph_bundle(arch):
+    """The same weights through MatMulNBits and through litekv's ops: prefill (MatMulNBits in both)
+    writes the same cache (to float reordering), and the steps agree to the activations' rounding."""
+    ours, theirs = open_executor(bundle(arch, "kernel")), open_executor(bundle(arch, "graph"))
+    assert ours.decode_session is not ours.session and theirs.decode_session is theirs.session
+    prompt = np.random.default_rng(4).integers(3, ours.config.vocab_size, 9)
+    a, b = ours.create_kv_cache(), theirs.create_kv_cache()
+    ours.prefill(prompt[:-1], a)
+    theirs.prefill(prompt[:-1], b)
+    np.testing.assert_allclose(a.key_cache(0)[:, :, :8], b.key_cache(0)[:, :, :8], rtol=1e-5, atol=1e-5)
+    token = prompt[-1]
+    for _ in range(6):
+        mine, graph = ours.step([token], a), theirs.step([token], b)
+        assert relative_error(mine, graph) < 0.05
+        token = int(np.argmax(graph))
+    np.testing.assert_allclose(a.key_cache(1)[:, :, :14], b.key_cache(1)[:, :, :14], rtol=0.05, atol=0.05)
+
+
+def op_types(path: Path) -> dict[str, int]:
+    model = onnx.load(path, load_external_data=False)
+    counts: dict[str, int] = {}
+    for node in model.graph.node:
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("arch, gate", [("llama", "silu"), ("gemma3", "gelu_tanh")])
+def test_the_decode_graph_reads_the_prefill_weights(arch, gate):
+    path = bundle(arch, "kernel")
+    manifest = read_manifest(path)
+    assert manifest.decode_linears == "kernel" and manifest.decode_model_file == "model_decode.onnx"
+    assert [s.kind for s in manifest.signatures] == ["step", "decode"]
+    layers = manifest.config.num_layers
+    decode, prefill = op_types(path / manifest.decode_model_file), op_types(path / manifest.model_file)
+    assert decode["LinearInt4"] == 4 * layers and decode["LinearInt8"] == 1 and "MatMulNBits" not in decode
+    assert prefill["MatMulNBits"] == 4 * layers and prefill["LinearInt8"] == 1 and "LinearInt4" not in prefill
+    # the gated MLP's slices and activation are the op's gate; every residual add is in a norm
+    assert not {"Sigmoid", "Tanh", "Add"} & set(decode)
+    gated = [n for n in onnx.load(path / manifest.decode_model_file, load_external_data=False).graph.node
+             if any(a.name == "gate" for a in n.attribute)]
+    assert len(gated) == layers and all(a.i == GATES.index(gate) + 1 for n in gated for a in n.attribute)
+    assert decode["SkipSimplifiedLayerNormalization"] >= layers
+    # its weights are the prefill graph's, in the one data file
+    model = onnx.load(path / manifest.decode_model_file, load_external_data=False)
+    external = {t.name for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL}
+    assert all(n.input[1] in external for n in model.graph.node if n.op_type.startswith("Linear"))
+    assert all(len(t.raw_data) < 1024 for t in model.graph.initializer)  # the rest: shapes, a few constants
+
+
+def test_a_manifest_naming_a_missing_decode_graph_is_refused(tmp_path):
+    source = bundle("llama", "kernel")
+    manifest = read_manifest(source)
+    data = json.loads(manifest.to_json())
+    data["decode_model_file"] = None
+    with pytest.raises(BundleError, match="decode graph"):
+        Manifest.from_json(json.dumps(data), "litekv.json")
+    for name in ("litekv.json", "model.onnx"):
+        (tmp_path / name).write_bytes((source / name).read_bytes())
+    with pytest.raises(BundleError, match="model_decode.onnx is missing"):
+        read_manifest(tmp_path)
