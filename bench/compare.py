@@ -74,10 +74,14 @@ def systems() -> list[System]:
     out.append(System("litekv LiteRT int4 + int8 KV + int4 head", "4-bit", MAIN_PYTHON,
                       ["bench/peers/run_litekv.py", "--backend", "litert", "--quantize", "int4", "--kv-cache", "int8",
                        "--lm-head", "int4"], litekv=True))
-    # The default bundles' decode linears in XNNPACK instead of litekv's kernels (`--decode-linears graph`)
-    for quantize, kv, cls in (("int4", "int8", "4-bit"), ("int8", "int8", "8-bit")):
-        out.append(System(f"litekv LiteRT {quantize} + {kv} KV + XNNPACK linears", cls, MAIN_PYTHON,
-                          ["bench/peers/run_litekv.py", "--backend", "litert", "--quantize", quantize, "--kv-cache", kv,
+    # The default bundles' decode linears in the runtime's own ops instead of litekv's kernels
+    # (`--decode-linears graph`): XNNPACK's, and ONNX Runtime's MatMulNBits
+    for backend, quantize, kv, cls, ops in (("litert", "int4", "int8", "4-bit", "XNNPACK"),
+                                            ("litert", "int8", "int8", "8-bit", "XNNPACK"),
+                                            ("onnx", "int4", "fp32", "4-bit", "MatMulNBits")):
+        label = {"litert": "LiteRT", "onnx": "ONNX Runtime"}[backend]
+        out.append(System(f"litekv {label} {quantize} + {kv} KV + {ops} linears", cls, MAIN_PYTHON,
+                          ["bench/peers/run_litekv.py", "--backend", backend, "--quantize", quantize, "--kv-cache", kv,
                            "--decode-linears", "graph"], litekv=True))
     from litekv.catalog import checkpoint_path
     q41, f32 = Path(checkpoint_path()), PEER_CACHE / "SmolLM2-135M-Instruct.F32.gguf"

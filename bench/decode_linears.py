@@ -1,12 +1,14 @@
-"""A LiteRT decode step with its quantized linears in XNNPACK (the default) against litekv's linear
-kernels (`--decode-linears kernel`), SmolLM2 int4 and int8, in one process, taking turns.
+"""A decode step with its quantized linears in the runtime's own ops (`--decode-linears graph`:
+XNNPACK's, or ONNX Runtime's MatMulNBits) against litekv's linear kernels (`--decode-linears
+kernel`, the default), SmolLM2 int4 and int8, in one process, taking turns.
 
-For each bundle and live length it reports the median rewound step and how often XNNPACK's worker
-sleeps per step: with the kernels the step's parallel work is litekv's, so the worker should stay
-asleep, and the attention kernel's helper never waits for its spin. Run bench/quality_kl.py on the
-same bundles for their quality.
+For each bundle and live length it reports the median rewound step and how often the runtime's
+worker threads sleep per step: with the kernels a LiteRT step's parallel work is litekv's, so
+XNNPACK's worker should stay asleep, and the attention kernel's helper never waits for its spin.
+Run bench/quality_kl.py on the same bundles for their quality.
 
     env -u OPENBLAS_CORETYPE python bench/decode_linears.py --rounds 6
+    env -u OPENBLAS_CORETYPE python bench/decode_linears.py --backend onnx --weights int4
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--weights", nargs="+", default=["int4", "int8"])
+    parser.add_argument("--backend", choices=("litert", "onnx"), default="litert",
+                        help="onnx: int4 weights only (ONNX int8 bundles keep DynamicQuantizeMatMul)")
     parser.add_argument("--kv-cache", choices=("fp32", "fp16", "int8"), default=None,
                         help="the bundles' KV cache (default: the converter's for the weights)")
     args = parser.parse_args()
@@ -34,7 +38,7 @@ def main() -> None:
     prompt = np.random.default_rng(1).integers(100, 40000, max(LIVE)).tolist()
     for weights in args.weights:
         for linears in ("graph", "kernel"):
-            ex = open_executor(smollm2_bundle("litert", weights, kv_cache=args.kv_cache, decode_linears=linears))
+            ex = open_executor(smollm2_bundle(args.backend, weights, kv_cache=args.kv_cache, decode_linears=linears))
             cache = ex.create_kv_cache()
             ex.prefill(prompt, cache)
             runs[weights, linears] = (ex, cache)
@@ -56,12 +60,13 @@ def main() -> None:
             rows.append([weights, linears, *(f"{ms[live]:.2f}" for live in LIVE), f"{growth:.2f}",
                          " / ".join(f"{naps[live]:.1f}" for live in LIVE)])
     print(markdown_table(["weights", "decode linears", *(f"step at {live}, ms" for live in LIVE),
-                          f"{LIVE[-1]} / {LIVE[0]}", "XNNPACK worker sleeps per step"], rows))
+                          f"{LIVE[-1]} / {LIVE[0]}", "runtime worker sleeps per step"], rows))
     for weights in args.weights:
         ratios = [statistics.median(steps[weights, "graph", live]) / statistics.median(steps[weights, "kernel", live])
                   for live in LIVE]
         print(f"{weights}: graph / kernel step time " + ", ".join(f"{r:.2f} at {live}" for r, live in zip(ratios, LIVE)))
-    save("decode_linears", dict(rounds=args.rounds, steps=STEPS, kv_cache=args.kv_cache, bundles=result))
+    save("decode_linears" + ("_onnx" if args.backend == "onnx" else ""),
+         dict(backend=args.backend, rounds=args.rounds, steps=STEPS, kv_cache=args.kv_cache, bundles=result))
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ def onnx_breakdown(bundle: Path, live: int, steps: int, threads: int) -> dict[st
     finally:
         ort.SessionOptions = original
     _decode_steps(ex, _prefilled(ex, live), live, 3 + steps)
-    events = json.loads(Path(ex.session.end_profiling()).read_text())
+    events = json.loads(Path(ex.decode_session.end_profiling()).read_text())
     runs = [e for e in events if e.get("name") == "model_run"]
     first = runs[-steps]["ts"]
     total, calls = collections.Counter(), collections.Counter()
@@ -124,12 +124,13 @@ def main() -> None:
                         "int4 weights, else fp16)")
     parser.add_argument("--backend", choices=("litert", "onnx", "both"), default="both")
     parser.add_argument("--decode-linears", choices=("graph", "kernel"), default=None,
-                        help="LiteRT: the decode step's quantized linears in XNNPACK (default) or litekv's kernels")
+                        help="the decode step's quantized linears in the runtime's own ops (XNNPACK, MatMulNBits) or "
+                             "litekv's kernels (default: the converter's)")
     args = parser.parse_args()
     for backend, breakdown in (("litert", litert_breakdown), ("onnx", onnx_breakdown)):
         if args.backend not in (backend, "both"):
             continue
-        linears = args.decode_linears if backend == "litert" else None
+        linears = args.decode_linears
         bundle = smollm2_bundle(backend, args.quantize, kv_cache=args.kv_cache, decode_linears=linears)
         ops = breakdown(bundle, args.live, args.steps, args.threads)
         total = sum(ms for ms, _ in ops.values())

@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--lm-head", choices=("fp32", "int8", "int4"), default=None,
                         help="LM head precision (default: the converter's, int8 for quantized weights)")
     parser.add_argument("--decode-linears", choices=("graph", "kernel"), default=None,
-                        help="LiteRT: the decode step's quantized linears in XNNPACK (default) or litekv's kernels")
+                        help="the decode step's quantized linears in the runtime's own ops or litekv's kernels (default: the converter's)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--passage", type=Path, default=None, help="passage.json: also report passage_argmax")
