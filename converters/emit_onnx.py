@@ -52,7 +52,7 @@ class OnnxOps(GraphOps):
         self.outputs: list[onnx.ValueInfoProto] = []
         self._count = 0
         self._weights: dict[str, str] = {}
-        self._shapes: dict[str, tuple[int, ...]] = {}  # tensor -> shape, for the nodes' inputs
+        self._residual_adds: dict[str, int] = {}  # sum of two same-shape float tensors -> its node's index
         self._gates: dict[str, tuple[str, str]] = {}  # act(first half of a projection) -> (projection, act)
         # output -> (source, source width, start, width): tensors that are a last-axis slice of
         # another one, seen through head reshapes, so attention can take q, k and v as the one
@@ -69,9 +69,6 @@ class OnnxOps(GraphOps):
               domain: str = "", **attrs) -> Sym:
         out = self._name(op.lower())
         refs = [i.ref if isinstance(i, Sym) else i for i in inputs]
-        for i in inputs:
-            if isinstance(i, Sym):
-                self._shapes.setdefault(i.ref, i.shape)
         self.nodes.append(helper.make_node(op, refs, [out], domain=domain or None, **attrs))
         return Sym(out, tuple(shape), dtype)
 
@@ -109,7 +106,10 @@ class OnnxOps(GraphOps):
         return Sym(self._initializer(arr, "c"), arr.shape, "float32" if arr.dtype == np.float32 else "int32")
 
     def binary(self, op: str, a: Sym, b: Sym) -> Sym:
-        return self._node(_BINARY[op], [a, b], _broadcast(a.shape, b.shape), a.dtype)
+        out = self._node(_BINARY[op], [a, b], _broadcast(a.shape, b.shape), a.dtype)
+        if op == "add" and a.shape == b.shape and a.dtype == b.dtype == "float32":
+            self._residual_adds[out.ref] = len(self.nodes) - 1  # rms_norm may fuse it
+        return out
 
     def unary(self, op: str, x: Sym) -> Sym:
         if op == "rsqrt":
@@ -122,10 +122,9 @@ class OnnxOps(GraphOps):
         of a residual sum, one SkipSimplifiedLayerNormalization that also does the add (a node less
         per norm: a decode step pays ONNX Runtime's per-node cost about 3 us a node)."""
         scale = self._weight(f"{name}.weight", lambda: np.asarray(self.weights[f"{name}.weight"], np.float32))
-        add = next((i for i in range(len(self.nodes) - 1, -1, -1) if x.ref in self.nodes[i].output), None)
-        node = self.nodes[add] if add is not None else None
-        if node is not None and node.op_type == "Add" and self._shapes.get(node.input[0]) == self._shapes.get(
-                node.input[1]) == x.shape and x.dtype == "float32":
+        add = self._residual_adds.pop(x.ref, None)
+        if add is not None:
+            node = self.nodes[add]
             out = self._name("skipsimplifiedlayernormalization")
             self.nodes[add] = helper.make_node("SkipSimplifiedLayerNormalization", [*node.input, scale],
                                                [out, "", "", x.ref], domain="com.microsoft", epsilon=float(eps))

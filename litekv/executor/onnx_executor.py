@@ -37,11 +37,13 @@ DECODE_GRAPH_THREADS = 1
 PREFILL_CHUNK = 256
 
 
-def _single_thread(ort):
-    """Options for the tiny sampler graph: no worker pool of its own, so nothing spins beside the
-    model's pool (whose workers spin between nodes, ONNX Runtime's default)."""
+def _session_options(ort, threads: int):
+    """Options with all graph optimizations and `threads` intra-op threads. One thread for the tiny
+    sampler graph and for a decode graph on litekv's ops: no worker pool of its own, so nothing
+    spins beside the model's pool (whose workers spin between nodes, ONNX Runtime's default) or
+    beside litekv's helper thread."""
     options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
+    options.intra_op_num_threads = threads
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     return options
 
@@ -84,9 +86,7 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
                          manifest.lora_targets)
         ort = self._ort = _ort()
         self.accelerator, providers = choose_providers(accelerator)
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads or 2
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options = _session_options(ort, threads or 2)
         bundle = Path(bundle)
         self._bundle, self._options, self._providers = bundle, options, providers
         self._lora_session = None  # the LoRA graph, opened when the first adapter is loaded
@@ -98,11 +98,9 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             # Decode steps run their own graph where it has one (litekv's linear ops), else the same.
             self.decode_session = self.session
             if manifest.decode_model_file:
-                step_options = ort.SessionOptions()
-                step_options.intra_op_num_threads = DECODE_GRAPH_THREADS
-                step_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-                self.decode_session = self._session(bundle / manifest.decode_model_file, step_options, kernel)
-            self.sampler = (ort.InferenceSession(str(bundle / manifest.sampler_file), _single_thread(ort),
+                self.decode_session = self._session(bundle / manifest.decode_model_file,
+                                                    _session_options(ort, DECODE_GRAPH_THREADS), kernel)
+            self.sampler = (ort.InferenceSession(str(bundle / manifest.sampler_file), _session_options(ort, 1),
                                                  providers=providers) if manifest.sampler_file else None)
         except Exception as e:  # onnxruntime raises its own exception types
             if self.accelerator != "cpu":
