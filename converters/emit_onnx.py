@@ -366,6 +366,8 @@ class OnnxOps(GraphOps):
             qkv = [packed, "", ""]
         else:
             qkv = [self.reshape(Sym(x.ref, x.shape), (1, T_DIM, x.shape[2] * x.shape[3])).ref for x in (q, k, v)]
+        if self.step_graph and kv_dtype == "float32":
+            return self._decode_attention(qkv, past_k, past_v, layer, rotary, window, scale, kv_shape)
         half = kv_dtype == "float16"  # GroupQueryAttention takes its inputs in the cache's type
         if half:
             qkv = [self._half(x) if x else "" for x in qkv]
@@ -392,6 +394,22 @@ class OnnxOps(GraphOps):
         out = Sym(out, (1, T_DIM, cfg.num_heads * cfg.head_dim))
         return self.to_float(out) if half else out
 
+    def _decode_attention(self, qkv: list[str], past_k: Sym, past_v: Sym, layer: int, rotary, window: int | None,
+                          scale: float, kv_shape: tuple[int, ...]) -> Sym:
+        """A decode step's attention as litekv's DecodeAttention (ort_ops.c): GroupQueryAttention's
+        contract for one token over a float32 cache, on litekv's kernel and its two threads."""
+        cfg = self.cfg
+        inputs = [*qkv, past_k.ref, past_v.ref, self.seqlens.ref]
+        if rotary is not None:
+            inputs += list(self._rotary_cache(rotary))
+        out, present_k, present_v = (self._name("attn"), f"present_key_{layer}", f"present_value_{layer}")
+        self.nodes.append(helper.make_node(
+            "DecodeAttention", inputs, [out, present_k, present_v], domain=KERNEL_DOMAIN, num_heads=cfg.num_heads,
+            kv_num_heads=cfg.num_kv_heads, scale=float(scale), local_window_size=window if window else -1))
+        for name in (present_k, present_v):
+            self.outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, list(kv_shape)))
+        return Sym(out, (1, T_DIM, cfg.num_heads * cfg.head_dim))
+
     def _half(self, name: str) -> str:
         """A float16 copy of tensor `name`."""
         out = self._name("half")
@@ -416,8 +434,42 @@ class OnnxOps(GraphOps):
         return (self._weight(f"rope_cos_{tag}", lambda: cos.astype(dtype)),
                 self._weight(f"rope_sin_{tag}", lambda: sin.astype(dtype)))
 
+    def _norms_into_linears(self) -> None:
+        """Each RMSNorm read only by one of litekv's linears becomes that linear's norm inputs (skip,
+        weight, `epsilon`; ort_ops.c), its residual sum the linear's second output: a decode step
+        pays ONNX Runtime about 5 us a node, and a norm of one row is a fraction of that."""
+        readers: dict[str, int] = {}
+        for node in self.nodes:
+            for name in node.input:
+                readers[name] = readers.get(name, 0) + 1
+        graph_outputs = {o.name for o in self.outputs}
+        producer = {out: node for node in self.nodes for out in node.output if out}
+        fused: dict[int, onnx.NodeProto] = {}  # id(norm node) -> the linear taking its place
+        for linear in self.nodes:
+            weights = {"LinearInt4": 5, "LinearInt8": 3}.get(linear.op_type)
+            norm = producer.get(linear.input[0]) if weights and linear.domain == KERNEL_DOMAIN else None
+            if (norm is None or norm.op_type not in ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
+                    or norm.output[0] != linear.input[0] or readers[linear.input[0]] != 1
+                    or linear.input[0] in graph_outputs or len(linear.input) != weights or id(norm) in fused):
+                continue
+            skip = norm.op_type.startswith("Skip")
+            if skip and len(norm.input) != 3:  # a bias input: not the contract
+                continue
+            epsilon = next(a.f for a in norm.attribute if a.name == "epsilon")
+            linear.input[0] = norm.input[0]
+            linear.input.extend([norm.input[1] if skip else "", norm.input[-1]])
+            linear.attribute.append(helper.make_attribute("epsilon", epsilon))
+            if skip and len(norm.output) > 3 and norm.output[3]:
+                linear.output.append(norm.output[3])
+            fused[id(norm)] = linear
+        # each fused linear takes its norm's place: its sum output is read before the linear's own place
+        taken = {id(linear) for linear in fused.values()}
+        self.nodes = [fused.get(id(node), node) for node in self.nodes if id(node) not in taken]
+
     def finish(self, logits: Sym) -> onnx.ModelProto:
         self.output("logits", logits)
+        if self.step_graph:
+            self._norms_into_linears()
         self._drop_unused()
         graph = helper.make_graph(self.nodes, f"litekv_{self.cfg.architecture}", self.inputs, self.outputs,
                                   self.initializers)

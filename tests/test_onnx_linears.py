@@ -112,6 +112,69 @@ def test_shapes_that_disagree_and_unknown_gates_are_refused():
         session(op_model("LinearInt4", 64, 4, inputs, gate=7), kernel)
 
 
+def normed_model(op: str, in_width: int, out_width: int, weights: dict[str, np.ndarray], norm_weight: np.ndarray,
+                 skip: bool, sum_output: bool, **attributes) -> bytes:
+    """One linear with the RMSNorm before it as its inputs: y (, s) = op(x (+ skip), weights, norm)."""
+    norm = numpy_helper.from_array(np.ascontiguousarray(norm_weight), "norm")
+    node = helper.make_node(op, ["x", *weights, "skip" if skip else "", "norm"], ["y", *(["s"] if sum_output else [])],
+                            domain=KERNEL_DOMAIN, **attributes)
+    row = lambda name, width: helper.make_tensor_value_info(name, TensorProto.FLOAT, ["T", width])
+    graph = helper.make_graph([node], "normed", [row("x", in_width), *([row("skip", in_width)] if skip else [])],
+                              [row("y", out_width), *([row("s", in_width)] if sum_output else [])],
+                              [numpy_helper.from_array(np.ascontiguousarray(a), n) for n, a in weights.items()] + [norm])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(KERNEL_DOMAIN, 1)])
+    model.ir_version = 10
+    return model.SerializeToString()
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, epsilon: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + epsilon) * weight
+
+
+@pytest.mark.parametrize("skip, sum_output", [(True, True), (True, False), (False, False), (False, True)])
+def test_a_linear_applies_the_norm_before_it(skip, sum_output):
+    """The norm inputs: y = linear(rms_norm(x + skip) * weight) and s = x + skip, for LinearInt4 with
+    and without its gate and for LinearInt8, against numpy on the portable path (exact weights)."""
+    rng = np.random.default_rng(11)
+    in_dim, out_dim, epsilon = 64, 80, 1e-5
+    w = rng.normal(size=(out_dim, in_dim)).astype(np.float32)
+    norm_weight = (rng.random(in_dim) + 0.5).astype(np.float32)
+    kernel = AttentionKernel(16, 4, 64, threads=2, int8_dot=False)
+    int4_inputs, exact4 = onnx_int4(w)
+    codes8, scales8 = int8_per_channel(w)
+    x, residual = (rng.normal(size=(3, in_dim)).astype(np.float32) * 4 for _ in range(2))
+    total = x + residual if skip else x
+    normed = rms_norm(total, norm_weight, epsilon)
+    rows4 = normed @ exact4.T
+    cases = (("LinearInt4", int4_inputs, {}, out_dim, rows4),
+             ("LinearInt4", int4_inputs, {"gate": 1}, out_dim // 2, silu(rows4[:, :40]) * rows4[:, 40:]),
+             ("LinearInt8", {"codes": codes8, "scales": scales8}, {}, out_dim, normed @ (codes8 * scales8[:, None]).T))
+    for op, weights, attributes, width, want in cases:
+        model = session(normed_model(op, in_dim, width, weights, norm_weight, skip, sum_output, epsilon=epsilon,
+                                     **attributes), kernel)
+        got = model.run(None, {"x": x, **({"skip": residual} if skip else {})})
+        np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        if sum_output:
+            np.testing.assert_array_equal(got[1], total)
+
+
+def test_norm_inputs_that_disagree_are_refused():
+    rng = np.random.default_rng(2)
+    inputs, _ = onnx_int4(rng.normal(size=(8, 64)).astype(np.float32))
+    kernel = AttentionKernel(16, 4, 64, threads=1)
+    x = np.ones((1, 64), np.float32)
+    no_weight = onnx.load_from_string(normed_model("LinearInt4", 64, 8, inputs, np.ones(64, np.float32), True, True))
+    del no_weight.graph.node[0].input[-1]  # a skip, and a sum output, without the norm's weight
+    with pytest.raises(Exception, match="shapes disagree"):
+        session(no_weight.SerializeToString(), kernel).run(None, {"x": x, "skip": x})
+    with pytest.raises(Exception, match="shapes disagree"):  # a norm weight of the wrong width
+        session(normed_model("LinearInt4", 64, 8, inputs, np.ones(32, np.float32), False, False), kernel).run(
+            None, {"x": x})
+    with pytest.raises(Exception, match="epsilon"):
+        session(normed_model("LinearInt4", 64, 8, inputs, np.ones(64, np.float32), False, False, epsilon=-1.0),
+                kernel)
+
+
 def test_the_library_registers_only_through_litekv():
     options = ort.SessionOptions()
     native_attention._load()
@@ -167,8 +230,16 @@ def test_the_decode_graph_reads_the_prefill_weights(arch, gate):
     assert not {"Sigmoid", "Tanh", "Add"} & set(decode)
     gated = [n for n in onnx.load(path / manifest.decode_model_file, load_external_data=False).graph.node
              if any(a.name == "gate" for a in n.attribute)]
-    assert len(gated) == layers and all(a.i == GATES.index(gate) + 1 for n in gated for a in n.attribute)
-    assert decode["SkipSimplifiedLayerNormalization"] >= layers
+    assert len(gated) == layers and all(a.i == GATES.index(gate) + 1 for n in gated for a in n.attribute
+                                        if a.name == "gate")
+    # the norms before the qkv and gate/up projections are those linears' inputs; attention is litekv's
+    normed = [n for n in onnx.load(path / manifest.decode_model_file, load_external_data=False).graph.node
+              if any(a.name == "epsilon" for a in n.attribute) and n.op_type == "LinearInt4"]
+    assert len(normed) == 2 * layers and all(len(n.input) == 7 for n in normed)
+    assert sum(len(n.output) == 2 for n in normed) >= layers  # each residual sum comes out of its norm's linear
+    assert decode["DecodeAttention"] == layers and "GroupQueryAttention" not in decode
+    if arch == "llama":  # the final norm (before the last-row slice) is the only norm node left
+        assert decode.get("SimplifiedLayerNormalization", 0) + decode["SkipSimplifiedLayerNormalization"] == 1
     # its weights are the prefill graph's, in the one data file
     model = onnx.load(path / manifest.decode_model_file, load_external_data=False)
     external = {t.name for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL}

@@ -157,10 +157,12 @@ typedef struct {
     const float *key_scales, *value_scales; /* CACHE_I8_ROWS: [KVH][scale_stride] row scales; else NULL */
     int scale_stride;                   /* the cache's slots */
     int cache_type, int8_dot;           /* int8_dot: integer dot products on int8 codes, if the CPU has them */
-    int heads, kv_heads, head_dim, row; /* row = KVH * D elements per cached slot */
+    int heads, kv_heads, head_dim, row; /* row: elements from one slot to the next */
     float *scores;                      /* [heads][stride]: column i is slot lo + i */
     int stride;
     const Digits *digits;               /* int8_dot: the query's digits, made once per call */
+    size_t head_stride; /* elements from one KV head's row to the next: D in a [S][KVH * D] cache (row =
+                           KVH * D); S * D in ONNX Runtime's head-major [KVH][S][D] (row = D, float only) */
 } Job;
 
 typedef struct {

@@ -111,6 +111,7 @@ typedef struct {
     void *linear_scratch;   /* the activations as linear_prepare writes them, grown to the widest call */
     size_t linear_scratch_bytes;
     float *prefill_scratch[2]; /* the caller's and the helper's, made at the first prefill call */
+    float *zero_mask;       /* max_slots zeros: the mask of a call given its span (ONNX Runtime's op) */
     int helper_running;
     /* What the threads write while the other reads: each on its own cache line, away from the job
      * (a shared line would bounce between the cores on every access to the job's fields). */
@@ -202,6 +203,8 @@ INLINE void prefetch_slice(const char *base, size_t row_bytes, int s0, int rows,
                   ahead = sizeof(T) == 1 ? PREFETCH_ROWS * 4 : FLOAT_PREFETCH_ROWS * 4 / (int)sizeof(T); \
         const int passes = (group + GB - 1) / GB; /* value passes over a block per KV head */          \
         const T *keys = job->keys, *values = job->values;                                              \
+        /* a head-major cache: each KV head's rows are prefetched on their own */                      \
+        const bool interleaved = job->head_stride == (size_t)job->head_dim;                            \
         float widened[sizeof(T) < sizeof(float) ? BLOCK * row : 1];                                    \
         for (int i0 = 0; i0 < n; i0 += BLOCK) {                                                        \
             const int rows = n - i0 < BLOCK ? n - i0 : BLOCK, s0 = part->lo + i0;                      \
@@ -209,11 +212,15 @@ INLINE void prefetch_slice(const char *base, size_t row_bytes, int s0, int rows,
             for (int kv = 0; kv < job->kv_heads; kv++)                                                 \
                 for (int g = 0; g < group; g++) {                                                      \
                     const int h = kv * group + g;                                                      \
-                    prefetch_slice((const char *)keys, sizeof(T) * row, s0, rows, ahead, h, heads);    \
+                    if (interleaved)                                                                   \
+                        prefetch_slice((const char *)keys, sizeof(T) * row, s0, rows, ahead, h, heads); \
+                    else                                                                               \
+                        prefetch_slice((const char *)(keys + (size_t)kv * job->head_stride), sizeof(T) * row, s0, \
+                                       rows, ahead, g, group);                                         \
                     const float *q = job->query + (size_t)h * 16 * C;                                  \
                     v16 a[BLOCK];                                                                      \
                     _Pragma("GCC unroll 16") for (int r = 0; r < BLOCK; r++) {                         \
-                        const float *k = block + (size_t)(r < rows ? r : 0) * row + (size_t)kv * 16 * C; \
+                        const float *k = block + (size_t)(r < rows ? r : 0) * row + (size_t)kv * job->head_stride; \
                         a[r] = load16(q) * load16(k);                                                  \
                         _Pragma("GCC unroll 16") for (int c = 1; c < C; c++) a[r] += load16(q + 16 * c) * load16(k + 16 * c); \
                     }                                                                                  \
@@ -236,9 +243,13 @@ INLINE void prefetch_slice(const char *base, size_t row_bytes, int s0, int rows,
                     _Pragma("GCC unroll 16") for (int g = 0; g < GB; g++)                              \
                         _Pragma("GCC unroll 16") for (int c = 0; c < C; c++) acc[g][c] = g < gb ? load16(dst + (g * C + c) * 16) : (v16){0}; \
                     for (int r = 0; r < rows; r++) {                                                   \
-                        prefetch_slice((const char *)values, sizeof(T) * row, s0, rows, ahead,         \
-                                       (kv * passes + g0 / GB) * rows + r, job->kv_heads * passes * rows); \
-                        const float *v = block + (size_t)r * row + (size_t)kv * 16 * C;                \
+                        if (interleaved)                                                               \
+                            prefetch_slice((const char *)values, sizeof(T) * row, s0, rows, ahead,     \
+                                           (kv * passes + g0 / GB) * rows + r, job->kv_heads * passes * rows); \
+                        else                                                                           \
+                            prefetch_slice((const char *)(values + (size_t)kv * job->head_stride), sizeof(T) * row, \
+                                           s0, rows, ahead, g0 / GB * rows + r, passes * rows);        \
+                        const float *v = block + (size_t)r * row + (size_t)kv * job->head_stride;              \
                         v16 value[C];                                                                  \
                         _Pragma("GCC unroll 16") for (int c = 0; c < C; c++) value[c] = load16(v + 16 * c); \
                         _Pragma("GCC unroll 16") for (int g = 0; g < GB; g++) {                        \
@@ -269,7 +280,7 @@ INLINE void part_any(const Job *job, Part *part) {
         float *sc = job->scores + (size_t)h * job->stride + part->first, best = -INFINITY, total = 0.0f;
         for (int i = 0; i < n; i++) {
             const int s = part->lo + i;
-            const size_t k = (size_t)s * job->row + (size_t)(h / group) * d;
+            const size_t k = (size_t)s * job->row + (size_t)(h / group) * job->head_stride;
             float dot = 0.0f;
             for (int j = 0; j < d; j++) dot += q[j] * element(job->keys, k + j, job->cache_type);
             dot *= row_scale(job->key_scales, job->scale_stride, h / group, s);
@@ -281,7 +292,7 @@ INLINE void part_any(const Job *job, Part *part) {
         for (int i = 0; i < n; i++) {
             sc[i] = exp_nonpositive(sc[i] - best);
             total += sc[i];
-            const size_t v = (size_t)(part->lo + i) * job->row + (size_t)(h / group) * d;
+            const size_t v = (size_t)(part->lo + i) * job->row + (size_t)(h / group) * job->head_stride;
             const float w = sc[i] * row_scale(job->value_scales, job->scale_stride, h / group, part->lo + i);
             for (int j = 0; j < d; j++) acc[j] += w * element(job->values, v + j, job->cache_type);
         }
@@ -410,24 +421,29 @@ static void *helper_main(void *arg) {
 /* The mask's live span (mask_span), in each ISA's clone for the vector compare. */
 VECTOR_CLONES static void live_span(const float *mask, int slots, int *lo, int *hi) { mask_span(mask, slots, lo, hi); }
 
-static void compute(State *st, Job *job, int slots, float *out);
+static void compute(State *st, Job *job, int lo, int hi, float *out);
 static void share(State *st, int count);
 
-/* One call, counted for litekv_attention_stats (a clock read costs tens of nanoseconds; a call
- * microseconds). */
-static void attend(State *st, Job *job, int slots, float *out) {
+/* One call over slots lo..hi (none if lo > hi), which the mask may mask further, counted for
+ * litekv_attention_stats (a clock read costs tens of nanoseconds; a call microseconds). */
+static void attend_span(State *st, Job *job, int lo, int hi, float *out) {
     const double start = seconds();
-    compute(st, job, slots, out);
+    compute(st, job, lo, hi, out);
     st->stat_calls++;
     st->stat_nanoseconds += (uint64_t)(1e9 * (seconds() - start));
+}
+
+/* One call over the mask's live span. */
+static void attend(State *st, Job *job, int slots, float *out) {
+    int lo, hi;
+    live_span(job->mask, slots, &lo, &hi);
+    attend_span(st, job, lo, hi, out);
 }
 
 /* Slots per chunk for a cache of this element type. */
 static int chunk_slots(const Job *job) { return int8_codes(job->cache_type) ? CHUNK_SLOTS : FLOAT_CHUNK_SLOTS; }
 
-static void compute(State *st, Job *job, int slots, float *out) {
-    int lo, hi;
-    live_span(job->mask, slots, &lo, &hi);
+static void compute(State *st, Job *job, int lo, int hi, float *out) {
     const size_t width = (size_t)job->heads * job->head_dim;
     if (lo > hi) {
         memset(out, 0, sizeof(float) * width);
@@ -539,12 +555,15 @@ static State *state_create(int heads, int head_dim, int max_slots, int threads, 
     st->acc = malloc(sizeof(float) * parts * width);
     st->max = malloc(sizeof(float) * 2 * parts * (size_t)heads);
     st->parts = malloc(sizeof(Part) * parts);
+    st->zero_mask = calloc((size_t)max_slots, sizeof(float));
     if (st->int8_dot) {
         st->numerators = malloc(sizeof(int16_t) * parts * (size_t)heads * NUMERATOR_STRIDE);
         st->digit_bytes = malloc(2 * width + (sizeof(int32_t) + sizeof(float)) * (size_t)heads);
     }
-    if (!st->scores || !st->acc || !st->max || !st->parts || (st->int8_dot && (!st->numerators || !st->digit_bytes))) {
+    if (!st->scores || !st->acc || !st->max || !st->parts || !st->zero_mask ||
+        (st->int8_dot && (!st->numerators || !st->digit_bytes))) {
         free(st->scores), free(st->acc), free(st->max), free(st->parts), free(st->numerators), free(st->digit_bytes);
+        free(st->zero_mask);
         free(st);
         return NULL;
     }
@@ -576,7 +595,7 @@ static void state_destroy(State *st) {
     pthread_mutex_destroy(&st->lock);
     pthread_cond_destroy(&st->wake);
     free(st->scores), free(st->acc), free(st->max), free(st->parts), free(st->numerators), free(st->digit_bytes);
-    free(st->prefill_scratch[0]), free(st->prefill_scratch[1]), free(st->linear_scratch);
+    free(st->prefill_scratch[0]), free(st->prefill_scratch[1]), free(st->linear_scratch), free(st->zero_mask);
     free(st);
 }
 
@@ -620,7 +639,7 @@ static Status make_job(Job *job, const float *q, size_t nq, const void *k, size_
     const int rows = cache_type == CACHE_I8_ROWS; /* a scale per slot and KV head, for keys and values */
     if (rows != (ks && vs) || (rows && n_scales != slots * (size_t)kv_heads)) return STATUS_INVALID_ARGUMENT;
     *job = (Job){q, m, k, v, ks, vs, (int)slots, cache_type, int8_codes(cache_type) && st->int8_dot, heads, kv_heads,
-                 head_dim, kv_heads * head_dim, st->scores, st->max_slots};
+                 head_dim, kv_heads * head_dim, st->scores, st->max_slots, NULL, (size_t)head_dim};
     return STATUS_OK;
 }
 
@@ -955,4 +974,22 @@ int litekv_prefill_attention_run(AttentionConfig *cfg, const float *query, const
                                      (size_t)slots * kv_heads, cache_type, mask, (size_t)tokens * slots, out, nq,
                                      cfg->num_heads, cfg->head_dim, cfg->state);
     return status == STATUS_OK ? compute_prefill(cfg->state, &job) : status;
+}
+
+/* One decode step's attention over a float32 cache in ONNX Runtime's head-major layout, keys and
+ * values [kv_heads][slots][head_dim] (the registration's), for query rows [heads][D] (RoPE and
+ * scale applied), attending to slots lo..hi: out [heads][D]. For ort_ops.c's DecodeAttention, which has written the step's row. */
+int litekv_attention_head_major(AttentionConfig *cfg, const float *query, const float *keys, const float *values,
+                                float *out, int heads, int kv_heads, int slots, int head_dim, int lo, int hi) {
+    if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || heads > cfg->num_heads || head_dim != cfg->head_dim ||
+        slots <= 0 || lo < 0 || hi < lo || hi >= slots)
+        return STATUS_INVALID_ARGUMENT;
+    if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
+    State *st = cfg->state;
+    if (slots > st->max_slots) return STATUS_INVALID_ARGUMENT; /* the scores' scratch and the zero mask */
+    const int d = cfg->head_dim;
+    Job job = {query, st->zero_mask, keys, values, NULL, NULL, slots, CACHE_F32, 0, heads, kv_heads, d, d,
+               st->scores, st->max_slots, NULL, (size_t)slots * d};
+    attend_span(st, &job, lo, hi, out);
+    return STATUS_OK;
 }

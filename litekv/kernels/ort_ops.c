@@ -13,16 +13,38 @@
  * with h = out / 2, y [.., h] = act(rows [0, h)) * rows [h, out), in place of two slices, the
  * activation and a product, which would each cost a node.
  *
+ * Both linears take the RMSNorm before them (SkipSimplifiedLayerNormalization's contract), in two
+ * optional inputs after the weights, skip f32 [.., in] and norm weight f32 [in], with the float
+ * attribute `epsilon`: s = x + skip, y = linear(s / sqrt(mean(s^2) + epsilon) * weight), and the
+ * optional second output is s, the residual stream. A decode step's norms are a node each
+ * otherwise, 5 us apiece for 576 floats, nearly all of it ONNX Runtime's cost of a node.
+ *
+ *   "DecodeAttention": one decode step's attention over a float32 cache in GroupQueryAttention's
+ *                 layout, which it replaces in the graph for decode steps (52 us a layer at 320
+ *                 tokens, on one thread, against litekv's kernel on two).
+ *                 query f32 [1, 1, H*D], or [1, 1, (H + 2 KVH) * D] with q, k and v packed; key and
+ *                 value f32 [1, 1, KVH*D] (absent when packed); past_key, past_value f32
+ *                 [1, KVH, S, D]; seqlens_k int32 [1] (the step's slot); cos, sin f32 [P, R/2]
+ *                 (absent: no RoPE)  ->  out f32 [1, 1, H*D], present_key, present_value.
+ *                 Int attributes num_heads, kv_num_heads, local_window_size (-1: none), float
+ *                 scale. RoPE (rotate-half over the first R elements of each head) goes on q and k,
+ *                 the scale on q; the step's k and v rows are written at slot seqlens_k, and the
+ *                 query attends to slots seqlens_k - window + 1 .. seqlens_k. Bound to the same
+ *                 buffer as past (as GroupQueryAttention's are), present is written in place;
+ *                 otherwise past is copied into it first.
+ *
  * The library is the one Python loads with ctypes: litekv_ort_prepare() names the AttentionConfig
  * the next registration uses, then SessionOptions.register_custom_ops_library(path) calls
  * RegisterCustomOps, and litekv_ort_take() hands the registration back, for litekv_ort_release()
  * once every session using it is gone. ONNX Runtime's headers are not needed: the few entry points
  * used are addressed by their slot in OrtApi, which only ever grows at its end (API version 16). */
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "linear.h"
 
@@ -47,8 +69,10 @@ enum {
     SLOT_GET_DIMENSIONS_COUNT = 61,
     SLOT_GET_DIMENSIONS = 62,
     SLOT_GET_TENSOR_TYPE_AND_SHAPE = 65,
+    SLOT_KERNEL_INFO_GET_ATTRIBUTE_FLOAT = 85,
     SLOT_KERNEL_INFO_GET_ATTRIBUTE_INT64 = 86,
     SLOT_KERNEL_CONTEXT_GET_INPUT_COUNT = 88,
+    SLOT_KERNEL_CONTEXT_GET_OUTPUT_COUNT = 89,
     SLOT_KERNEL_CONTEXT_GET_INPUT = 90,
     SLOT_KERNEL_CONTEXT_GET_OUTPUT = 91,
     SLOT_RELEASE_STATUS = 93,
@@ -58,7 +82,9 @@ enum {
 #define API(api, slot, type) ((type)((void *const *)(const void *)(api))[slot])
 
 enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2, ORT_RUNTIME_EXCEPTION = 6 };
-enum { TYPE_FLOAT = 1, TYPE_UINT8 = 2, TYPE_INT8 = 3, TYPE_FLOAT16 = 10 };
+enum { TYPE_FLOAT = 1, TYPE_UINT8 = 2, TYPE_INT8 = 3, TYPE_INT32 = 6, TYPE_FLOAT16 = 10 };
+enum { REQUIRED = 0, OPTIONAL = 1 }; /* OrtCustomOpInputOutputCharacteristic */
+enum { KIND_LINEAR_INT4, KIND_LINEAR_INT8, KIND_DECODE_ATTENTION };
 enum { GATE_NONE = 0, GATE_SILU = LINEAR_GATE_SILU, GATE_GELU_TANH = LINEAR_GATE_GELU_TANH }; /* emit_onnx.GATES */
 
 /* OrtCustomOp, as far as version 16 reads it. */
@@ -87,29 +113,40 @@ typedef struct CustomOp {
 
 int litekv_linear_run(void *cfg, int format, const float *x, float *y, const void *codes, const uint16_t *block_scales,
                       const int8_t *offsets, const float *row_scales, int tokens, int in, int out, int block);
+int litekv_attention_head_major(void *cfg, const float *query, const float *keys, const float *values, float *out,
+                                int heads, int kv_heads, int slots, int head_dim, int lo, int hi);
 
 /* One op of one registration: ONNX Runtime hands `op` back to every callback, so the rest is ours. */
 typedef struct {
     CustomOp op;
     const OrtApi *api;
-    void *config; /* the AttentionConfig whose state (scratch, helper thread) runs the linears */
+    void *config; /* the AttentionConfig whose state (scratch, helper thread) runs the kernels */
     struct Registration *registration;
-    int format;
-} LinearOp;
+    int kind;
+} Op;
+
+/* Floats of working memory, under call_lock, grown to the widest call (once per model). */
+typedef struct {
+    float *data;
+    size_t floats;
+} Scratch;
 
 typedef struct Registration {
-    LinearOp int4, int8;
+    Op int4, int8, attention;
     const OrtApi *api;
     void *domain;
-    float *gate_scratch; /* a gated call's rows before the gate, under call_lock, grown to the widest */
-    size_t gate_scratch_floats;
+    Scratch rows;   /* a gated linear's rows before the gate, or a step's rotated query */
+    Scratch normed; /* a linear's normalized input */
 } Registration;
 
-/* One node's kernel: its op and its gate. */
+/* One node's kernel: its op and its attributes. */
 typedef struct {
-    const LinearOp *op;
+    const Op *op;
     Registration *registration;
-    int gate;
+    int gate;                      /* linears */
+    float epsilon;                 /* linears with a norm */
+    int heads, kv_heads, window;   /* attention; window 0: none */
+    float scale;
 } Kernel;
 
 static _Atomic(void *) pending_config, last_registration;
@@ -127,10 +164,13 @@ static OrtStatus *error(const OrtApi *api, int code, const char *message) {
         if (status_) return status_; \
     } while (0)
 
-/* ---- the op's description ---------------------------------------------------------------------- */
+/* ---- the ops' descriptions --------------------------------------------------------------------- */
+
+static int kind_of(const CustomOp *op) { return ((const Op *)(const void *)op)->kind; }
 
 static const char *op_name(const CustomOp *op) {
-    return ((const LinearOp *)(const void *)op)->format == LINEAR_INT8 ? "LinearInt8" : "LinearInt4";
+    static const char *const names[] = {"LinearInt4", "LinearInt8", "DecodeAttention"};
+    return names[kind_of(op)];
 }
 
 static const char *op_provider(const CustomOp *op) {
@@ -138,22 +178,28 @@ static const char *op_provider(const CustomOp *op) {
     return NULL; /* the CPU execution provider */
 }
 
+/* x, the weights, then the norm's skip and weight */
+static const int linear_int4_inputs[] = {TYPE_FLOAT, TYPE_UINT8, TYPE_FLOAT16, TYPE_INT8, TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT};
+static const int linear_int8_inputs[] = {TYPE_FLOAT, TYPE_INT8, TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT};
+/* query, key, value, past_key, past_value, seqlens_k, cos, sin */
+static const int attention_inputs[] = {TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT,
+                                       TYPE_FLOAT, TYPE_INT32, TYPE_FLOAT, TYPE_FLOAT};
+enum { ATTN_QUERY, ATTN_KEY, ATTN_VALUE, ATTN_PAST_KEY, ATTN_PAST_VALUE, ATTN_SEQLENS, ATTN_COS, ATTN_SIN };
+
 static size_t op_input_count(const CustomOp *op) {
-    return ((const LinearOp *)(const void *)op)->format == LINEAR_INT8 ? 3 : 5;
+    static const size_t counts[] = {7, 5, 8};
+    return counts[kind_of(op)];
 }
+
+/* A linear's inputs before the norm's: x and its weights. */
+static size_t linear_weight_inputs(int kind) { return kind == KIND_LINEAR_INT8 ? 3 : 5; }
 
 static int op_input_type(const CustomOp *op, size_t index) {
-    static const int int4[] = {TYPE_FLOAT, TYPE_UINT8, TYPE_FLOAT16, TYPE_INT8, TYPE_FLOAT};
-    static const int int8[] = {TYPE_FLOAT, TYPE_INT8, TYPE_FLOAT};
-    const int is_int8 = ((const LinearOp *)(const void *)op)->format == LINEAR_INT8;
-    if (index >= op_input_count(op)) return 0;
-    return is_int8 ? int8[index] : int4[index];
+    static const int *const types[] = {linear_int4_inputs, linear_int8_inputs, attention_inputs};
+    return index < op_input_count(op) ? types[kind_of(op)][index] : 0;
 }
 
-static size_t op_output_count(const CustomOp *op) {
-    (void)op;
-    return 1;
-}
+static size_t op_output_count(const CustomOp *op) { return kind_of(op) == KIND_DECODE_ATTENTION ? 3 : 2; }
 
 static int op_output_type(const CustomOp *op, size_t index) {
     (void)op;
@@ -161,10 +207,14 @@ static int op_output_type(const CustomOp *op, size_t index) {
     return TYPE_FLOAT;
 }
 
-static int op_required(const CustomOp *op, size_t index) {
-    (void)op;
-    (void)index;
-    return 0; /* INPUT_OUTPUT_REQUIRED */
+static int op_input_characteristic(const CustomOp *op, size_t index) {
+    if (kind_of(op) != KIND_DECODE_ATTENTION) return index < linear_weight_inputs(kind_of(op)) ? REQUIRED : OPTIONAL;
+    const int optional = index == ATTN_KEY || index == ATTN_VALUE || index == ATTN_COS || index == ATTN_SIN;
+    return optional ? OPTIONAL : REQUIRED;
+}
+
+static int op_output_characteristic(const CustomOp *op, size_t index) {
+    return kind_of(op) != KIND_DECODE_ATTENTION && index == 1 ? OPTIONAL : REQUIRED; /* a linear's residual sum */
 }
 
 static int op_memory_type(const CustomOp *op, size_t index) {
@@ -173,20 +223,49 @@ static int op_memory_type(const CustomOp *op, size_t index) {
     return 0; /* OrtMemTypeDefault */
 }
 
+/* An int attribute, or `fallback` where the node has none. */
+static int64_t int_attribute(const OrtApi *api, const void *info, const char *name, int64_t fallback) {
+    int64_t value = fallback;
+    OrtStatus *absent = API(api, SLOT_KERNEL_INFO_GET_ATTRIBUTE_INT64,
+                            OrtStatus * (*)(const void *, const char *, int64_t *))(info, name, &value);
+    if (absent) API(api, SLOT_RELEASE_STATUS, void (*)(OrtStatus *))(absent), value = fallback;
+    return value;
+}
+
 static OrtStatus *op_create_kernel(const CustomOp *custom, const OrtApi *api, const void *info, void **kernel) {
-    const LinearOp *op = (const LinearOp *)(const void *)custom;
-    int64_t gate = GATE_NONE;
-    if (op->format != LINEAR_INT8) {
-        OrtStatus *absent = API(api, SLOT_KERNEL_INFO_GET_ATTRIBUTE_INT64, OrtStatus * (*)(const void *, const char *,
-                                                                                          int64_t *))(info, "gate", &gate);
-        if (absent) API(api, SLOT_RELEASE_STATUS, void (*)(OrtStatus *))(absent), gate = GATE_NONE;
+    const Op *op = (const Op *)(const void *)custom;
+    Kernel k = {op, op->registration, GATE_NONE, 1e-6f, 0, 0, 0, 0.0f};
+    if (op->kind == KIND_LINEAR_INT4) {
+        const int64_t gate = int_attribute(api, info, "gate", GATE_NONE);
+        if (gate != GATE_NONE && gate != GATE_SILU && gate != GATE_GELU_TANH)
+            return error(api, ORT_INVALID_ARGUMENT, "litekv linear: unknown gate (1 = silu, 2 = gelu_tanh)");
+        k.gate = (int)gate;
     }
-    if (gate != GATE_NONE && gate != GATE_SILU && gate != GATE_GELU_TANH)
-        return error(api, ORT_INVALID_ARGUMENT, "litekv linear: unknown gate (1 = silu, 2 = gelu_tanh)");
-    Kernel *k = malloc(sizeof(Kernel));
-    if (!k) return error(api, ORT_FAIL, "litekv linear: out of memory");
-    *k = (Kernel){op, op->registration, (int)gate};
-    *kernel = k;
+    if (op->kind != KIND_DECODE_ATTENTION) {
+        OrtStatus *absent = API(api, SLOT_KERNEL_INFO_GET_ATTRIBUTE_FLOAT,
+                                OrtStatus * (*)(const void *, const char *, float *))(info, "epsilon", &k.epsilon);
+        if (absent) API(api, SLOT_RELEASE_STATUS, void (*)(OrtStatus *))(absent), k.epsilon = 1e-6f;
+        if (!(k.epsilon >= 0.0f)) return error(api, ORT_INVALID_ARGUMENT, "litekv linear: epsilon must be >= 0");
+    } else if (op->kind == KIND_DECODE_ATTENTION) {
+        const int64_t heads = int_attribute(api, info, "num_heads", 0), kv_heads = int_attribute(api, info,
+                                                                                                 "kv_num_heads", 0);
+        const int64_t window = int_attribute(api, info, "local_window_size", -1);
+        if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || heads > 4096 || window == 0 || window > INT32_MAX)
+            return error(api, ORT_INVALID_ARGUMENT, "litekv DecodeAttention: num_heads and kv_num_heads must be "
+                                                    "positive, num_heads a multiple of kv_num_heads, and "
+                                                    "local_window_size positive or -1");
+        OrtStatus *absent = API(api, SLOT_KERNEL_INFO_GET_ATTRIBUTE_FLOAT,
+                                OrtStatus * (*)(const void *, const char *, float *))(info, "scale", &k.scale);
+        if (absent) {
+            API(api, SLOT_RELEASE_STATUS, void (*)(OrtStatus *))(absent);
+            return error(api, ORT_INVALID_ARGUMENT, "litekv DecodeAttention: the float attribute `scale` is missing");
+        }
+        k.heads = (int)heads, k.kv_heads = (int)kv_heads, k.window = window < 0 ? 0 : (int)window;
+    }
+    Kernel *made = malloc(sizeof(Kernel));
+    if (!made) return error(api, ORT_FAIL, "litekv: out of memory");
+    *made = k;
+    *kernel = made;
     return NULL;
 }
 
@@ -201,42 +280,86 @@ typedef struct {
     size_t count;
 } Tensor;
 
-static OrtStatus *input(const OrtApi *api, void *context, size_t index, int type, Tensor *t) {
+/* Input `index` (NULL data if absent and `optional`), of element type `type`. */
+static OrtStatus *read_input(const OrtApi *api, void *context, size_t index, int type, int optional, Tensor *t) {
     const void *value = NULL;
     void *info = NULL;
     int element = 0;
+    *t = (Tensor){0};
     CHECK(API(api, SLOT_KERNEL_CONTEXT_GET_INPUT, OrtStatus * (*)(void *, size_t, const void **))(context, index, &value));
-    if (!value) return error(api, ORT_INVALID_ARGUMENT, "litekv linear: an input is missing");
+    if (!value) return optional ? NULL : error(api, ORT_INVALID_ARGUMENT, "litekv: a required input is missing");
     CHECK(API(api, SLOT_GET_TENSOR_TYPE_AND_SHAPE, OrtStatus * (*)(const void *, void **))(value, &info));
     OrtStatus *status = API(api, SLOT_GET_TENSOR_ELEMENT_TYPE, OrtStatus * (*)(const void *, int *))(info, &element);
     if (!status) status = API(api, SLOT_GET_DIMENSIONS_COUNT, OrtStatus * (*)(const void *, size_t *))(info, &t->rank);
     if (!status && (t->rank == 0 || t->rank > MAX_RANK))
-        status = error(api, ORT_INVALID_ARGUMENT, "litekv linear: an input's rank is 0 or above 8");
+        status = error(api, ORT_INVALID_ARGUMENT, "litekv: an input's rank is 0 or above 8");
     if (!status)
         status = API(api, SLOT_GET_DIMENSIONS, OrtStatus * (*)(const void *, int64_t *, size_t))(info, t->dims, t->rank);
     API(api, SLOT_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, void (*)(void *))(info);
     if (status) return status;
-    if (element != type) return error(api, ORT_INVALID_ARGUMENT, "litekv linear: an input has the wrong element type");
+    if (element != type) return error(api, ORT_INVALID_ARGUMENT, "litekv: an input has the wrong element type");
     t->count = 1;
     for (size_t i = 0; i < t->rank; i++) {
         if (t->dims[i] < 0 || t->dims[i] > INT32_MAX)
-            return error(api, ORT_INVALID_ARGUMENT, "litekv linear: a dimension is out of range");
+            return error(api, ORT_INVALID_ARGUMENT, "litekv: a dimension is out of range");
         t->count *= (size_t)t->dims[i];
     }
     return API(api, SLOT_GET_TENSOR_MUTABLE_DATA, OrtStatus * (*)(void *, void **))((void *)value, &t->data);
 }
 
-static OrtStatus *op_compute(void *kernel_data, void *context) {
-    const Kernel *kernel = kernel_data;
-    const LinearOp *op = kernel->op;
+static OrtStatus *input(const OrtApi *api, void *context, size_t index, int type, Tensor *t) {
+    return read_input(api, context, index, type, 0, t);
+}
+
+/* Output `index`, of shape dims[rank], made (or, bound by the caller, found) by ONNX Runtime. */
+static OrtStatus *output(const OrtApi *api, void *context, size_t index, const int64_t *dims, size_t rank, float **data) {
+    void *value = NULL;
+    CHECK(API(api, SLOT_KERNEL_CONTEXT_GET_OUTPUT, OrtStatus * (*)(void *, size_t, const int64_t *, size_t, void **))(
+        context, index, dims, rank, &value));
+    return API(api, SLOT_GET_TENSOR_MUTABLE_DATA, OrtStatus * (*)(void *, void **))(value, (void **)data);
+}
+
+/* At least `floats` floats of `s`, or NULL if out of memory; under call_lock. */
+static float *scratch(Scratch *s, size_t floats) {
+    if (floats > s->floats) {
+        free(s->data);
+        s->data = malloc(sizeof(float) * floats);
+        s->floats = s->data ? floats : 0;
+    }
+    return s->data;
+}
+
+/* sum = x + skip (skip NULL: x); normed = sum / sqrt(mean(sum^2) + epsilon) * weight, per row of `in`. */
+static void rms_norm(const float *x, const float *skip, const float *weight, float epsilon, float *sum, float *normed,
+                     size_t tokens, size_t in) {
+    for (size_t t = 0; t < tokens; t++) {
+        const float *a = x + t * in, *b = skip ? skip + t * in : NULL;
+        float *s = sum + t * in, *n = normed + t * in, squares = 0.0f;
+        for (size_t i = 0; i < in; i++) {
+            s[i] = b ? a[i] + b[i] : a[i];
+            squares += s[i] * s[i];
+        }
+        const float inverse = 1.0f / sqrtf(squares / (float)in + epsilon);
+        for (size_t i = 0; i < in; i++) n[i] = s[i] * inverse * weight[i];
+    }
+}
+
+static OrtStatus *linear_compute(const Kernel *kernel, void *context) {
+    const Op *op = kernel->op;
     Registration *r = kernel->registration;
     const OrtApi *api = op->api;
-    const int int8 = op->format == LINEAR_INT8;
-    size_t inputs = 0;
+    const int int8 = op->kind == KIND_LINEAR_INT8;
+    const size_t weights = linear_weight_inputs(op->kind);
+    Tensor x, codes, scales = {0}, offsets = {0}, row_scales, skip, norm_weight;
+    size_t inputs = 0, outputs = 0;
     CHECK(API(api, SLOT_KERNEL_CONTEXT_GET_INPUT_COUNT, OrtStatus * (*)(const void *, size_t *))(context, &inputs));
-    if (inputs != (int8 ? 3u : 5u)) return error(api, ORT_INVALID_ARGUMENT, "litekv linear: wrong number of inputs");
-    Tensor x, codes, scales = {0}, offsets = {0}, row_scales;
+    CHECK(API(api, SLOT_KERNEL_CONTEXT_GET_OUTPUT_COUNT, OrtStatus * (*)(const void *, size_t *))(context, &outputs));
+    if (inputs < weights || inputs > weights + 2 || outputs < 1 || outputs > 2)
+        return error(api, ORT_INVALID_ARGUMENT, "litekv linear: wrong number of inputs or outputs");
     CHECK(input(api, context, 0, TYPE_FLOAT, &x));
+    skip = norm_weight = (Tensor){0};
+    if (inputs > weights) CHECK(read_input(api, context, weights, TYPE_FLOAT, 1, &skip));
+    if (inputs > weights + 1) CHECK(read_input(api, context, weights + 1, TYPE_FLOAT, 1, &norm_weight));
     CHECK(input(api, context, 1, int8 ? TYPE_INT8 : TYPE_UINT8, &codes));
     CHECK(input(api, context, int8 ? 2 : 4, TYPE_FLOAT, &row_scales));
     if (!int8) {
@@ -250,47 +373,154 @@ static OrtStatus *op_compute(void *kernel_data, void *context) {
         in > 0 && out > 0 && tokens > 0 && tokens <= INT32_MAX && (size_t)codes.dims[0] == out &&
         codes.count == (int8 ? out * in : out * in / 2) && (kernel->gate == GATE_NONE || out % 2 == 0) &&
         (int8 || (in % 2 == 0 && blocks > 0 && in % blocks == 0 && (in / blocks) % 2 == 0 &&
-                  scales.count == out * blocks && offsets.count == out * blocks));
+                  scales.count == out * blocks && offsets.count == out * blocks)) &&
+        (!skip.data || (norm_weight.data && skip.count == x.count)) && (!norm_weight.data || norm_weight.count == in) &&
+        (outputs == 1 || norm_weight.data);
     if (!shapes_agree)
         return error(api, ORT_INVALID_ARGUMENT,
                      "litekv linear: the input shapes disagree (x [.., in], codes [out, ..], scales [out, blocks], "
-                     "offsets [out, blocks], row scales [out]; an even out with a gate)");
+                     "offsets [out, blocks], row scales [out]; an even out with a gate; a norm's skip [.., in] only "
+                     "with its weight [in], and the sum output only with a norm)");
     int64_t dims[MAX_RANK];
     for (size_t i = 0; i < x.rank; i++) dims[i] = x.dims[i];
     dims[x.rank - 1] = (int64_t)(kernel->gate ? out / 2 : out);
-    void *y_value = NULL;
-    float *y = NULL;
-    CHECK(API(api, SLOT_KERNEL_CONTEXT_GET_OUTPUT, OrtStatus * (*)(void *, size_t, const int64_t *, size_t, void **))(
-        context, 0, dims, x.rank, &y_value));
-    CHECK(API(api, SLOT_GET_TENSOR_MUTABLE_DATA, OrtStatus * (*)(void *, void **))(y_value, (void **)&y));
+    float *y = NULL, *sum = NULL;
+    CHECK(output(api, context, 0, dims, x.rank, &y));
+    if (outputs == 2) CHECK(output(api, context, 1, x.dims, x.rank, &sum));
     pthread_mutex_lock(&call_lock);
-    float *rows = y;
-    if (kernel->gate && tokens * out > r->gate_scratch_floats) { /* once per model: the widest gated call */
-        free(r->gate_scratch);
-        r->gate_scratch = malloc(sizeof(float) * tokens * out);
-        r->gate_scratch_floats = r->gate_scratch ? tokens * out : 0;
+    const float *activations = x.data;
+    if (norm_weight.data) {
+        float *normed = scratch(&r->normed, tokens * in);
+        activations = normed;
+        if (normed) rms_norm(x.data, skip.data, norm_weight.data, kernel->epsilon, sum ? sum : normed, normed, tokens,
+                             in);
     }
-    if (kernel->gate) rows = r->gate_scratch;
-    int status = rows ? litekv_linear_run(op->config, op->format, x.data, rows, codes.data, scales.data, offsets.data,
-                                          row_scales.data, (int)tokens, (int)in, (int)out,
-                                          int8 ? 0 : (int)(in / blocks))
-                      : -1;
+    float *rows = kernel->gate ? scratch(&r->rows, tokens * out) : y;
+    int status = rows && activations ? litekv_linear_run(op->config, int8 ? LINEAR_INT8 : LINEAR_UINT4, activations,
+                                                         rows, codes.data, scales.data, offsets.data, row_scales.data,
+                                                         (int)tokens, (int)in, (int)out, int8 ? 0 : (int)(in / blocks))
+                                     : -1;
     if (status == 0 && kernel->gate) linear_gate(rows, y, tokens, out / 2, kernel->gate);
     pthread_mutex_unlock(&call_lock);
     return status ? error(api, ORT_RUNTIME_EXCEPTION, "litekv linear: the kernel failed (out of memory?)") : NULL;
 }
 
+/* out = x * cos + rotate_half(x) * sin over the first 2 * half elements of a head; the rest copied. */
+static void rotate(const float *restrict x, const float *restrict cos, const float *restrict sin, float *restrict out,
+                   int half, int head_dim) {
+    for (int i = 0; i < half; i++) {
+        out[i] = x[i] * cos[i] - x[i + half] * sin[i];
+        out[i + half] = x[i + half] * cos[i] + x[i] * sin[i];
+    }
+    memcpy(out + 2 * half, x + 2 * half, sizeof(float) * (size_t)(head_dim - 2 * half));
+}
+
+static OrtStatus *attention_compute(const Kernel *kernel, void *context) {
+    const Op *op = kernel->op;
+    const OrtApi *api = op->api;
+    size_t inputs = 0;
+    CHECK(API(api, SLOT_KERNEL_CONTEXT_GET_INPUT_COUNT, OrtStatus * (*)(const void *, size_t *))(context, &inputs));
+    if (inputs < ATTN_SEQLENS + 1 || inputs > ATTN_SIN + 1)
+        return error(api, ORT_INVALID_ARGUMENT, "litekv DecodeAttention: wrong number of inputs");
+    Tensor q, k, v, past_k, past_v, seqlens, cos = {0}, sin = {0};
+    CHECK(input(api, context, ATTN_QUERY, TYPE_FLOAT, &q));
+    CHECK(read_input(api, context, ATTN_KEY, TYPE_FLOAT, 1, &k));
+    CHECK(read_input(api, context, ATTN_VALUE, TYPE_FLOAT, 1, &v));
+    CHECK(input(api, context, ATTN_PAST_KEY, TYPE_FLOAT, &past_k));
+    CHECK(input(api, context, ATTN_PAST_VALUE, TYPE_FLOAT, &past_v));
+    CHECK(input(api, context, ATTN_SEQLENS, TYPE_INT32, &seqlens));
+    if (inputs > ATTN_COS) CHECK(read_input(api, context, ATTN_COS, TYPE_FLOAT, 1, &cos));
+    if (inputs > ATTN_SIN) CHECK(read_input(api, context, ATTN_SIN, TYPE_FLOAT, 1, &sin));
+    const size_t heads = (size_t)kernel->heads, kv_heads = (size_t)kernel->kv_heads;
+    const int packed = !k.data;
+    /* Every size checked against the others, so nothing is read or written past a buffer. */
+    int agree = past_k.rank == 4 && past_k.dims[0] == 1 && (size_t)past_k.dims[1] == kv_heads && past_k.dims[2] > 0 &&
+                past_k.dims[3] > 0 && past_v.rank == 4 && past_v.count == past_k.count;
+    for (size_t i = 0; agree && i < 4; i++) agree = past_v.dims[i] == past_k.dims[i];
+    const size_t slots = agree ? (size_t)past_k.dims[2] : 0, head_dim = agree ? (size_t)past_k.dims[3] : 0;
+    const size_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
+    agree = agree && !k.data == !v.data && q.dims[q.rank - 1] == (int64_t)(packed ? q_width + 2 * kv_width : q_width) &&
+            q.count == (size_t)q.dims[q.rank - 1] && (packed || (k.count == kv_width && v.count == kv_width)) &&
+            seqlens.count == 1 && !cos.data == !sin.data;
+    const int rotary = cos.data != NULL;
+    size_t half = 0;
+    if (agree && rotary) {
+        half = (size_t)cos.dims[cos.rank - 1];
+        agree = cos.rank == 2 && sin.rank == 2 && cos.dims[0] == sin.dims[0] && cos.dims[1] == sin.dims[1] &&
+                2 * half <= head_dim && half > 0;
+    }
+    if (!agree)
+        return error(api, ORT_INVALID_ARGUMENT,
+                     "litekv DecodeAttention: the input shapes disagree (query [1, 1, H*D] or packed [1, 1, (H + 2 "
+                     "KVH) * D] without key and value, key and value [1, 1, KVH*D], past_key and past_value [1, KVH, "
+                     "S, D], seqlens_k [1], cos and sin [P, R/2] with R <= D, both or neither)");
+    const int64_t position = ((const int32_t *)seqlens.data)[0];
+    if (position < 0 || (size_t)position >= slots || (rotary && position >= cos.dims[0]))
+        return error(api, ORT_INVALID_ARGUMENT, "litekv DecodeAttention: seqlens_k is outside the cache (or the "
+                                                "RoPE tables)");
+    int64_t out_dims[MAX_RANK];
+    for (size_t i = 0; i < q.rank; i++) out_dims[i] = q.dims[i];
+    out_dims[q.rank - 1] = (int64_t)q_width;
+    float *out = NULL, *present_k = NULL, *present_v = NULL;
+    CHECK(output(api, context, 0, out_dims, q.rank, &out));
+    CHECK(output(api, context, 1, past_k.dims, 4, &present_k));
+    CHECK(output(api, context, 2, past_v.dims, 4, &present_v));
+    /* present bound apart from past: it starts as a copy (bound together, as litekv binds them,
+     * nothing is copied) */
+    if (present_k != past_k.data) memcpy(present_k, past_k.data, sizeof(float) * past_k.count);
+    if (present_v != past_v.data) memcpy(present_v, past_v.data, sizeof(float) * past_v.count);
+    const float *query = q.data, *key = packed ? query + q_width : k.data,
+                *value = packed ? query + q_width + kv_width : v.data;
+    const float *cos_row = rotary ? (const float *)cos.data + (size_t)position * half : NULL,
+                *sin_row = rotary ? (const float *)sin.data + (size_t)position * half : NULL;
+    pthread_mutex_lock(&call_lock);
+    float *rotated = scratch(&kernel->registration->rows, q_width);
+    int status = -1;
+    if (rotated) {
+        for (size_t h = 0; h < heads; h++) {
+            float *row = rotated + h * head_dim;
+            if (rotary)
+                rotate(query + h * head_dim, cos_row, sin_row, row, (int)half, (int)head_dim);
+            else
+                memcpy(row, query + h * head_dim, sizeof(float) * head_dim);
+            for (size_t i = 0; i < head_dim; i++) row[i] *= kernel->scale;
+        }
+        for (size_t kv = 0; kv < kv_heads; kv++) {
+            const size_t at = (kv * slots + (size_t)position) * head_dim;
+            if (rotary)
+                rotate(key + kv * head_dim, cos_row, sin_row, present_k + at, (int)half, (int)head_dim);
+            else
+                memcpy(present_k + at, key + kv * head_dim, sizeof(float) * head_dim);
+            memcpy(present_v + at, value + kv * head_dim, sizeof(float) * head_dim);
+        }
+        const int64_t first = kernel->window ? position - kernel->window + 1 : 0;
+        status = litekv_attention_head_major(op->config, rotated, present_k, present_v, out, (int)heads, (int)kv_heads,
+                                             (int)slots, (int)head_dim, first > 0 ? (int)first : 0, (int)position);
+    }
+    pthread_mutex_unlock(&call_lock);
+    return status ? error(api, ORT_RUNTIME_EXCEPTION,
+                          "litekv DecodeAttention: the kernel refused the call (a head_dim or cache longer than the "
+                          "bundle's, or out of memory)")
+                  : NULL;
+}
+
+static OrtStatus *op_compute(void *kernel_data, void *context) {
+    const Kernel *kernel = kernel_data;
+    return kernel->op->kind == KIND_DECODE_ATTENTION ? attention_compute(kernel, context)
+                                                     : linear_compute(kernel, context);
+}
+
 /* ---- registration ---------------------------------------------------------------------------- */
 
-static void describe(LinearOp *op, Registration *r, void *config, int format) {
-    *op = (LinearOp){
+static void describe(Op *op, Registration *r, void *config, int kind) {
+    *op = (Op){
         .op = {.version = ORT_API_VERSION_USED, .GetName = op_name, .GetExecutionProviderType = op_provider,
                .GetInputType = op_input_type, .GetInputTypeCount = op_input_count, .GetOutputType = op_output_type,
                .GetOutputTypeCount = op_output_count, .KernelDestroy = op_destroy_kernel,
-               .GetInputCharacteristic = op_required, .GetOutputCharacteristic = op_required,
+               .GetInputCharacteristic = op_input_characteristic, .GetOutputCharacteristic = op_output_characteristic,
                .GetInputMemoryType = op_memory_type, .CreateKernelV2 = op_create_kernel,
                .KernelComputeV2 = op_compute},
-        .api = r->api, .config = config, .registration = r, .format = format};
+        .api = r->api, .config = config, .registration = r, .kind = kind};
 }
 
 /* The AttentionConfig the next RegisterCustomOps binds its ops to. */
@@ -304,7 +534,7 @@ void litekv_ort_release(void *registration) {
     Registration *r = registration;
     if (!r) return;
     if (r->domain) API(r->api, SLOT_RELEASE_CUSTOM_OP_DOMAIN, void (*)(void *))(r->domain);
-    free(r->gate_scratch);
+    free(r->rows.data), free(r->normed.data);
     free(r);
 }
 
@@ -317,14 +547,17 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(void *option
         return error(api, ORT_FAIL, "litekv's custom ops are registered through litekv (its ONNX executor), "
                                     "not by the library's path alone");
     Registration *r = calloc(1, sizeof(Registration));
-    if (!r) return error(api, ORT_FAIL, "litekv linear: out of memory");
+    if (!r) return error(api, ORT_FAIL, "litekv: out of memory");
     r->api = api;
-    describe(&r->int4, r, config, LINEAR_UINT4);
-    describe(&r->int8, r, config, LINEAR_INT8);
+    describe(&r->int4, r, config, KIND_LINEAR_INT4);
+    describe(&r->int8, r, config, KIND_LINEAR_INT8);
+    describe(&r->attention, r, config, KIND_DECODE_ATTENTION);
     OrtStatus *status =
         API(api, SLOT_CREATE_CUSTOM_OP_DOMAIN, OrtStatus * (*)(const char *, void **))("litekv", &r->domain);
     if (!status) status = API(api, SLOT_CUSTOM_OP_DOMAIN_ADD, OrtStatus * (*)(void *, const void *))(r->domain, &r->int4);
     if (!status) status = API(api, SLOT_CUSTOM_OP_DOMAIN_ADD, OrtStatus * (*)(void *, const void *))(r->domain, &r->int8);
+    if (!status)
+        status = API(api, SLOT_CUSTOM_OP_DOMAIN_ADD, OrtStatus * (*)(void *, const void *))(r->domain, &r->attention);
     if (!status) status = API(api, SLOT_ADD_CUSTOM_OP_DOMAIN, OrtStatus * (*)(void *, void *))(options, r->domain);
     if (status) {
         litekv_ort_release(r);

@@ -1,0 +1,166 @@
+"""litekv's DecodeAttention as an ONNX Runtime custom op (kernels/ort_ops.c): a decode step's RoPE,
+cache write and attention over GroupQueryAttention's head-major float32 cache, against numpy."""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from litekv import native_attention
+from litekv.converters.emit_onnx import KERNEL_DOMAIN
+from litekv.native_attention import AttentionKernel
+
+pytestmark = pytest.mark.skipif(not native_attention.available(), reason="the op is litekv's kernel")
+
+INPUTS = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "cos", "sin")
+
+
+def attention_model(heads: int, kv_heads: int, slots: int, head_dim: int, packed: bool, rotary_half: int | None,
+                    window: int = -1, scale: float | None = 0.125, positions: int = 0, shaped: bool = True) -> bytes:
+    """One DecodeAttention node; absent inputs are empty names, as the converter writes them. Not
+    `shaped`: its inputs declare no shapes, so ONNX Runtime leaves every shape check to the op."""
+    present = {"key": not packed, "value": not packed, "cos": rotary_half is not None, "sin": rotary_half is not None}
+    names = [n if present.get(n, True) else "" for n in INPUTS]
+    while not names[-1]:
+        names.pop()
+    attributes = dict(num_heads=heads, kv_num_heads=kv_heads, local_window_size=window)
+    if scale is not None:
+        attributes["scale"] = scale
+    node = helper.make_node("DecodeAttention", names, ["out", "present_key", "present_value"], domain=KERNEL_DOMAIN,
+                            **attributes)
+    width = (heads + 2 * kv_heads) * head_dim if packed else heads * head_dim
+    cache = [1, kv_heads, slots, head_dim]
+    shapes = {"query": [1, 1, width], "key": [1, 1, kv_heads * head_dim], "value": [1, 1, kv_heads * head_dim],
+              "past_key": cache, "past_value": cache, "seqlens_k": [1], "cos": [positions, rotary_half or 1],
+              "sin": [positions, rotary_half or 1]}
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT32 if n == "seqlens_k" else TensorProto.FLOAT,
+                                            shapes[n] if shaped else None) for n in names if n]
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 1, heads * head_dim]),
+               helper.make_tensor_value_info("present_key", TensorProto.FLOAT, cache),
+               helper.make_tensor_value_info("present_value", TensorProto.FLOAT, cache)]
+    model = helper.make_model(helper.make_graph([node], "attention", inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(KERNEL_DOMAIN, 1)])
+    model.ir_version = 10
+    return model.SerializeToString()
+
+
+def session(model: bytes, kernel: AttentionKernel) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return kernel.onnx_session(model, options)
+
+
+def rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """RoPE over the first 2 * len(cos) elements of the last axis (transformers' rotate_half)."""
+    half = cos.shape[-1]
+    a, b, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin, rest], axis=-1)
+
+
+def numpy_step(q, k, v, past_k, past_v, position, cos, sin, window, scale):
+    """(out [H*D], present keys, present values) of one step, in float64."""
+    kv_heads, slots, head_dim = past_k.shape[1:]
+    heads = q.size // head_dim
+    q, k, v = (x.reshape(-1, head_dim).astype(np.float64) for x in (q, k, v))
+    if cos is not None:
+        q, k = rotate_half(q, cos[position], sin[position]), rotate_half(k, cos[position], sin[position])
+    keys, values = past_k[0].astype(np.float64), past_v[0].astype(np.float64)
+    keys[:, position], values[:, position] = k, v
+    first = 0 if window < 0 else max(0, position - window + 1)
+    out = np.empty((heads, head_dim))
+    for h in range(heads):
+        kv = h // (heads // kv_heads)
+        scores = keys[kv, first:position + 1] @ q[h] * scale
+        weights = np.exp(scores - scores.max())
+        out[h] = weights @ values[kv, first:position + 1] / weights.sum()
+    return out.reshape(-1), keys[None], values[None]
+
+
+def operands(rng, heads, kv_heads, slots, head_dim, rotary_half):
+    q = rng.normal(size=heads * head_dim).astype(np.float32)
+    k, v = (rng.normal(size=kv_heads * head_dim).astype(np.float32) for _ in range(2))
+    past_k, past_v = (rng.normal(size=(1, kv_heads, slots, head_dim)).astype(np.float32) for _ in range(2))
+    cos = sin = None
+    if rotary_half:
+        angles = np.arange(slots)[:, None] * (1e-4 ** (np.arange(rotary_half) / rotary_half))[None]
+        cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    return q, k, v, past_k, past_v, cos, sin
+
+
+def feeds(q, k, v, past_k, past_v, position, cos, sin, packed):
+    query = np.concatenate([q, k, v]) if packed else q
+    out = {"query": query.reshape(1, 1, -1), "past_key": past_k, "past_value": past_v,
+           "seqlens_k": np.array([position], np.int32)}
+    if not packed:
+        out |= {"key": k.reshape(1, 1, -1), "value": v.reshape(1, 1, -1)}
+    if cos is not None:
+        out |= {"cos": cos, "sin": sin}
+    return out
+
+
+@pytest.mark.parametrize("head_dim, rotary_half", [(64, 32), (128, 64), (64, 16), (48, 24), (64, None)],
+                         ids=["d64", "d128", "partial-rotary", "d48-portable", "no-rotary"])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "separate"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_step_matches_numpy(head_dim, rotary_half, packed, threads):
+    """Contexts inside one chunk and across several (192 slots a chunk), with and without a window;
+    a plain run's present is a copy of past with the step's row written, past left as it was."""
+    heads, kv_heads, slots = 9, 3, 1024
+    rng = np.random.default_rng(head_dim + threads)
+    kernel = AttentionKernel(head_dim, heads, slots, threads=threads)
+    for position, window in ((0, -1), (37, -1), (700, -1), (700, 100), (1023, 512)):
+        model = session(attention_model(heads, kv_heads, slots, head_dim, packed, rotary_half, window,
+                                        positions=slots), kernel)
+        q, k, v, past_k, past_v, cos, sin = operands(rng, heads, kv_heads, slots, head_dim, rotary_half)
+        before = past_k.copy()
+        out, present_k, present_v = model.run(None, feeds(q, k, v, past_k, past_v, position, cos, sin, packed))
+        want, want_k, want_v = numpy_step(q, k, v, past_k, past_v, position, cos, sin, window, 0.125)
+        np.testing.assert_allclose(out.reshape(-1), want, rtol=2e-4, atol=2e-5)
+        np.testing.assert_allclose(present_k, want_k, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(present_v, want_v.astype(np.float32))
+        np.testing.assert_array_equal(past_k, before)
+
+
+def test_present_bound_to_past_is_written_in_place():
+    """Bound as litekv's executor binds them, the step writes one row into the caller's buffers."""
+    heads, kv_heads, slots, head_dim = 4, 2, 64, 64
+    kernel = AttentionKernel(head_dim, heads, slots, threads=2)
+    model = session(attention_model(heads, kv_heads, slots, head_dim, True, 32, positions=slots), kernel)
+    q, k, v, past_k, past_v, cos, sin = operands(np.random.default_rng(3), heads, kv_heads, slots, head_dim, 32)
+    want, want_k, want_v = numpy_step(q, k, v, past_k, past_v, 20, cos, sin, -1, 0.125)
+    io = model.io_binding()
+    for name, value in feeds(q, k, v, past_k, past_v, 20, cos, sin, True).items():
+        io.bind_cpu_input(name, value)
+    for kind, buffer in (("key", past_k), ("value", past_v)):
+        value = ort.OrtValue.ortvalue_from_numpy(buffer)
+        io.bind_ortvalue_input(f"past_{kind}", value)
+        io.bind_ortvalue_output(f"present_{kind}", value)
+    out = np.zeros((1, 1, heads * head_dim), np.float32)
+    io.bind_ortvalue_output("out", ort.OrtValue.ortvalue_from_numpy(out))
+    model.run_with_iobinding(io)
+    np.testing.assert_allclose(out.reshape(-1), want, rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(past_k, want_k, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(past_v, want_v.astype(np.float32))
+
+
+def test_calls_outside_the_cache_or_with_disagreeing_shapes_are_refused():
+    heads, kv_heads, slots, head_dim = 4, 2, 64, 64
+    kernel = AttentionKernel(head_dim, heads, slots, threads=1)
+    model = session(attention_model(heads, kv_heads, slots, head_dim, False, 32, shaped=False), kernel)
+    q, k, v, past_k, past_v, cos, sin = operands(np.random.default_rng(5), heads, kv_heads, slots, head_dim, 32)
+    for position in (-1, slots):
+        with pytest.raises(Exception, match="outside the cache"):
+            model.run(None, feeds(q, k, v, past_k, past_v, position, cos, sin, False))
+    with pytest.raises(Exception, match="shapes disagree"):
+        model.run(None, feeds(q, k[:head_dim], v[:head_dim], past_k, past_v, 3, cos, sin, False))
+    with pytest.raises(Exception, match="outside the cache"):  # RoPE tables shorter than the cache
+        model.run(None, feeds(q, k, v, past_k, past_v, 40, cos[:32], sin[:32], False))
+    wide = AttentionKernel(32, heads, slots, threads=1)  # a head_dim other than the bundle's
+    other = session(attention_model(heads, kv_heads, slots, head_dim, False, 32, shaped=False), wide)
+    with pytest.raises(Exception, match="refused the call"):
+        other.run(None, feeds(q, k, v, past_k, past_v, 3, cos, sin, False))
+    with pytest.raises(Exception, match="scale"):
+        session(attention_model(heads, kv_heads, slots, head_dim, False, 32, scale=None, positions=slots), kernel)
+    with pytest.raises(Exception, match="multiple of kv_num_heads"):
+        session(attention_model(heads, 3, slots, head_dim, False, 32, positions=slots), kernel)
