@@ -143,9 +143,9 @@ class ConvertOptions:
                 continue
             if kind not in ATTENTION_KINDS:
                 raise ConfigError(f"unknown {flag} attention {kind!r}; choose one of {', '.join(ATTENTION_KINDS)}.")
-            if self.backend == "onnx":
-                raise ConfigError(f"--{flag}-attention is a LiteRT option: ONNX Runtime's GroupQueryAttention "
-                                  f"attends in the graph. Drop --{flag}-attention.")
+            if self.backend == "onnx" and kind == "kernel" and not self._onnx_attention_kernel_fits:
+                raise ConfigError(f"--{flag}-attention kernel on ONNX reads a float32 cache (GroupQueryAttention "
+                                  f"keeps the others). Drop --{flag}-attention or --kv-cache.")
         if self.decode_linears is not None:
             if self.decode_linears not in ATTENTION_KINDS:
                 raise ConfigError(f"unknown decode linears {self.decode_linears!r}; choose one of "
@@ -180,10 +180,19 @@ class ConvertOptions:
         """The cache tensors' dtype (Manifest.kv_dtype)."""
         return KV_CACHE_DTYPES[self.kv_format]
 
+    @property
+    def _onnx_attention_kernel_fits(self) -> bool:
+        """litekv's ONNX attention ops read GroupQueryAttention's float32 cache, not its others."""
+        return (self.kv_cache or "fp32") == "fp32"
+
     def _attention_kind(self, choice: str | None) -> str:
-        """What the manifest records for one kind of entry point: "kernel" by default on LiteRT,
-        "graph" for ONNX (GroupQueryAttention attends in the graph)."""
-        return "graph" if self.backend == "onnx" else choice or "kernel"
+        """What the manifest records for one kind of entry point: "kernel" (litekv's attention op) by
+        default on LiteRT, and on ONNX where it fits (a float32 cache): a decode step's
+        GroupQueryAttention took 52 us a layer at 320 tokens on one thread, the kernel 13-16 on two,
+        and prefill's half as long at 256 tokens (bench/PERFORMANCE.md, seventeenth round)."""
+        if self.backend == "onnx":
+            return choice or ("kernel" if self._onnx_attention_kernel_fits else "graph")
+        return choice or "kernel"
 
     @property
     def attention_kind(self) -> str:
@@ -381,16 +390,17 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         # The plain graph always; a LoRA-ready bundle adds a LoRA graph over the same weight file, so
         # running without an adapter costs exactly what a model converted without LoRA costs.
         linears = options.linears_kind
+        attention = dict(decode_attention=options.attention_kind, prefill_attention=options.prefill_attention_kind)
         model, _ = emit_onnx(cfg, ckpt.weights, plan, None, options.max_context, kv_scales=kv_scales,
-                             kv_dtype=options.kv_dtype, decode_linears=linears)
+                             kv_dtype=options.kv_dtype, decode_linears=linears, **attention)
         bar.stage("tracing graph")(1, 1, f"{len(model.graph.node)} nodes")
         onnx.save_model(model, str(staging / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
                         location="model.onnx.data", size_threshold=1024)
         graphs = [("model", model, False)]
         decode_model_file = None
-        if linears == "kernel":  # decode steps get a graph of their own, over the same weight file
+        if "kernel" in (linears, options.attention_kind):  # decode steps get a graph of their own, over the same weights
             step_model, _ = emit_onnx(cfg, ckpt.weights, plan, None, options.max_context, kv_scales=kv_scales,
-                                      kv_dtype=options.kv_dtype, decode_linears=linears, step_graph=True)
+                                      kv_dtype=options.kv_dtype, decode_linears=linears, step_graph=True, **attention)
             share_external_data(step_model, str(staging / "model.onnx"))
             decode_model_file = "model_decode.onnx"
             onnx.save_model(step_model, str(staging / decode_model_file))
@@ -398,7 +408,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         groups = {}
         if options.lora is not None:
             lora_model, groups = emit_onnx(cfg, ckpt.weights, plan, options.lora, options.max_context,
-                                           kv_scales=kv_scales, kv_dtype=options.kv_dtype)
+                                           kv_scales=kv_scales, kv_dtype=options.kv_dtype, **attention)
             share_external_data(lora_model, str(staging / "model.onnx"))
             onnx.save_model(lora_model, str(staging / "model_lora.onnx"))
             graphs.append(("model_lora", lora_model, True))
@@ -457,12 +467,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "with the decode kernel and without --lora-rank, else fp16); int8-row (LiteRT, litekv's kernels): int8 codes with a scale "
                         "per token and KV head, computed as each row is written, so nothing is calibrated")
     parser.add_argument("--decode-attention", choices=ATTENTION_KINDS,
-                        help="LiteRT one-token attention: kernel (default; litekv's compiled custom op, which "
-                        "reads the cache once) or graph (builtin ops only, for a runtime without litekv)")
+                        help="one-token attention: kernel (default; litekv's compiled custom op, which reads the "
+                        "cache once; on ONNX for a float32 cache without --lora-rank) or graph (the runtime's own "
+                        "ops: builtins on LiteRT, GroupQueryAttention on ONNX)")
     parser.add_argument("--prefill-attention", choices=ATTENTION_KINDS,
-                        help="LiteRT prefill-chunk attention: kernel (default; litekv's custom op, which reads only "
-                        "the slots a chunk sees, so one entry point per chunk length serves every context) or graph "
-                        "(builtin ops, one entry point per chunk length and capacity)")
+                        help="prefill-chunk attention: kernel (default; litekv's custom op, which reads only the "
+                        "slots a chunk sees, so on LiteRT one entry point per chunk length serves every context; on "
+                        "ONNX as for --decode-attention) or graph (LiteRT builtins, one entry point per chunk length "
+                        "and capacity; ONNX GroupQueryAttention)")
     parser.add_argument("--decode-linears", choices=ATTENTION_KINDS,
                         help="one-token steps' quantized linears: kernel (litekv's custom ops, on the threads of its "
                         "attention kernel, with activations rounded per 32; prefill keeps the runtime's matmuls and "

@@ -6,7 +6,8 @@ Graph contract: inputs `tokens` int32 [1,T], `input_pos` int32 [T], `seqlens_k` 
 position) and `present_key_<i>` / `present_value_<i>`. Attention is com.microsoft
 GroupQueryAttention, which writes the new rows into the past buffer when the caller binds the
 same memory as past and present, and reads only the valid length: decode cost follows the
-live context, not S.
+live context, not S. Over a float32 cache it may be litekv's DecodeAttention / PrefillAttention
+instead (domain "litekv"), with the same contract and the same cache.
 """
 from __future__ import annotations
 
@@ -38,8 +39,12 @@ GATES = ("silu", "gelu_tanh")  # LinearInt4's `gate` attribute: 1 + the index (o
 class OnnxOps(GraphOps):
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan, sig: Signature,
                  lora: LoraSpec | None, tables, kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
-                 kv_dtype: str = "float32", decode_linears: str = "graph", step_graph: bool = False):
+                 kv_dtype: str = "float32", decode_linears: str = "graph", step_graph: bool = False,
+                 attention: str = "graph"):
         super().__init__(cfg, weights, plan, sig, lora, tables)
+        # "kernel": this graph attends in litekv's op (DecodeAttention in the step graph, else
+        # PrefillAttention) over the float32 cache GroupQueryAttention would read
+        self.attention_kernel = attention == "kernel"
         # litekv's linear ops (domain "litekv"): with "kernel", one-row int4 / int8 projections (the
         # LM head), and in the step graph every int4 one; they read the tensors MatMulNBits reads.
         self.kernel_linears = decode_linears == "kernel"
@@ -366,8 +371,8 @@ class OnnxOps(GraphOps):
             qkv = [packed, "", ""]
         else:
             qkv = [self.reshape(Sym(x.ref, x.shape), (1, T_DIM, x.shape[2] * x.shape[3])).ref for x in (q, k, v)]
-        if self.step_graph and kv_dtype == "float32":
-            return self._decode_attention(qkv, past_k, past_v, layer, rotary, window, scale, kv_shape)
+        if self.attention_kernel:
+            return self._kernel_attention(qkv, past_k, past_v, layer, rotary, window, scale, kv_shape)
         half = kv_dtype == "float16"  # GroupQueryAttention takes its inputs in the cache's type
         if half:
             qkv = [self._half(x) if x else "" for x in qkv]
@@ -394,17 +399,20 @@ class OnnxOps(GraphOps):
         out = Sym(out, (1, T_DIM, cfg.num_heads * cfg.head_dim))
         return self.to_float(out) if half else out
 
-    def _decode_attention(self, qkv: list[str], past_k: Sym, past_v: Sym, layer: int, rotary, window: int | None,
+    def _kernel_attention(self, qkv: list[str], past_k: Sym, past_v: Sym, layer: int, rotary, window: int | None,
                           scale: float, kv_shape: tuple[int, ...]) -> Sym:
-        """A decode step's attention as litekv's DecodeAttention (ort_ops.c): GroupQueryAttention's
-        contract for one token over a float32 cache, on litekv's kernel and its two threads."""
+        """Attention as litekv's DecodeAttention or PrefillAttention (ort_ops.c): GroupQueryAttention's
+        contract over a float32 cache, on litekv's kernels and their two threads."""
         cfg = self.cfg
+        if self.kv_dtype != "float32":
+            raise ValueError(f"litekv's ONNX attention ops read a float32 cache, not {self.kv_dtype}")
         inputs = [*qkv, past_k.ref, past_v.ref, self.seqlens.ref]
         if rotary is not None:
             inputs += list(self._rotary_cache(rotary))
         out, present_k, present_v = (self._name("attn"), f"present_key_{layer}", f"present_value_{layer}")
         self.nodes.append(helper.make_node(
-            "DecodeAttention", inputs, [out, present_k, present_v], domain=KERNEL_DOMAIN, num_heads=cfg.num_heads,
+            "DecodeAttention" if self.step_graph else "PrefillAttention", inputs, [out, present_k, present_v],
+            domain=KERNEL_DOMAIN, num_heads=cfg.num_heads,
             kv_num_heads=cfg.num_kv_heads, scale=float(scale), local_window_size=window if window else -1))
         for name in (present_k, present_v):
             self.outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, list(kv_shape)))
@@ -473,7 +481,8 @@ class OnnxOps(GraphOps):
         self._drop_unused()
         graph = helper.make_graph(self.nodes, f"litekv_{self.cfg.architecture}", self.inputs, self.outputs,
                                   self.initializers)
-        domains = [("", OPSET), ("com.microsoft", 1)] + ([(KERNEL_DOMAIN, 1)] if self.kernel_linears else [])
+        kernel_ops = self.kernel_linears or self.attention_kernel
+        domains = [("", OPSET), ("com.microsoft", 1)] + ([(KERNEL_DOMAIN, 1)] if kernel_ops else [])
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in domains],
                                   producer_name="litekv")
         model.ir_version = IR_VERSION
@@ -508,16 +517,18 @@ def _broadcast(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
 def emit_onnx(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan, lora: LoraSpec | None,
               max_context: int, progress: Callable[[str], None] | None = None,
               kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
-              kv_dtype: str = "float32", decode_linears: str = "graph", step_graph: bool = False) -> onnx.ModelProto:
+              kv_dtype: str = "float32", decode_linears: str = "graph", step_graph: bool = False,
+              decode_attention: str = "graph", prefill_attention: str = "graph") -> onnx.ModelProto:
     """Trace the architecture once into an ONNX model with a dynamic token axis; with
     `kv_scales` (see kv_calibration) the KV cache is int8, else of `kv_dtype` (float32 or float16).
     decode_linears="kernel": one-row quantized projections run in litekv's ops, and with
-    `step_graph` (the graph for decode steps) every int4 projection does."""
+    `step_graph` (the graph for decode steps) every int4 projection does. decode_attention /
+    prefill_attention="kernel": the step graph / the other attends in litekv's ops."""
     weights = dict(weights)
     weights.setdefault("lm_head.weight", weights["embed.weight"])
     sig = Signature("decode" if step_graph else "model", T_DIM, max_context, lora=lora is not None)
     ops = OnnxOps(cfg, weights, plan, sig, lora, rope_tables(cfg, max_context), kv_scales, kv_dtype, decode_linears,
-                  step_graph)
+                  step_graph, decode_attention if step_graph else prefill_attention)
     ops.begin(max_context)
     model = ops.finish(architecture(cfg.architecture).forward(ops, cfg))
     if progress:

@@ -27,8 +27,10 @@ FORMAT = "litekv-bundle"
 # 9: TFLite one-token steps may run their quantized linears in litekv's custom ops (`decode_linears`).
 # 10: ONNX int4 bundles may run decode steps in a graph of their own (`decode_model_file`) whose int4
 # projections are litekv's ops; their block scales are float16 and their offsets int8 in every ONNX int4 bundle.
-VERSION = 10
-READABLE_VERSIONS = (3, 4, 5, 6, 7, 8, 9, 10)
+# 11: ONNX bundles with a float32 cache may attend in litekv's ops (`decode_attention`, `prefill_attention`
+# "kernel"), the decode graph then being theirs whatever the linears.
+VERSION = 11
+READABLE_VERSIONS = (3, 4, 5, 6, 7, 8, 9, 10, 11)
 ATTENTION_KINDS = ("kernel", "graph")
 SAMPLER_SIGNATURE = "sampler"
 # The sampler graph's scalar inputs, each of shape [1], in order: (name, dtype).
@@ -143,12 +145,17 @@ class Manifest:
                                        or manifest.kv_buckets != (manifest.max_context,)):
             raise BundleError(f"{where}: a KV cache with row scales must be int8 on LiteRT with litekv's attention "
                               "kernels, at one capacity; reconvert the model.")
-        if manifest.decode_linears == "kernel" and manifest.backend != "litert" and not manifest.decode_model_file:
-            raise BundleError(f"{where}: an ONNX bundle with litekv's linear kernels needs its decode graph, and the "
-                              "manifest names none; reconvert the model.")
-        if manifest.decode_model_file and (manifest.backend != "onnx" or manifest.decode_linears != "kernel"):
-            raise BundleError(f"{where}: a separate decode graph is for ONNX bundles with litekv's linear kernels; "
-                              "reconvert the model.")
+        step_kernels = "kernel" in (manifest.decode_linears, manifest.decode_attention)
+        if step_kernels and manifest.backend != "litert" and not manifest.decode_model_file:
+            raise BundleError(f"{where}: an ONNX bundle whose decode steps run litekv's kernels needs its decode "
+                              "graph, and the manifest names none; reconvert the model.")
+        if manifest.decode_model_file and (manifest.backend != "onnx" or not step_kernels):
+            raise BundleError(f"{where}: a separate decode graph is for ONNX bundles whose decode steps run litekv's "
+                              "kernels; reconvert the model.")
+        if (manifest.backend == "onnx" and manifest.kv_dtype != "float32"
+                and "kernel" in (manifest.decode_attention, manifest.prefill_attention)):
+            raise BundleError(f"{where}: litekv's ONNX attention ops read a float32 cache, and this one is "
+                              f"{manifest.kv_dtype}; reconvert the model.")
         return manifest
 
 

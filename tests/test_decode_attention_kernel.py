@@ -357,8 +357,14 @@ def test_manifest_versions(tmp_path):
     nine = {**data, "version": 9}
     nine.pop("decode_model_file")  # before ONNX decode graphs: none
     assert Manifest.from_json(json.dumps(nine), "nine").decode_model_file is None
-    with pytest.raises(BundleError, match="version 11 is not supported.*reads versions 3, 4, 5, 6, 7, 8, 9, 10"):
-        Manifest.from_json(json.dumps({**data, "version": 11}), "new")
+    with pytest.raises(BundleError, match="version 12 is not supported.*reads versions 3, 4, 5, 6, 7, 8, 9, 10, 11"):
+        Manifest.from_json(json.dumps({**data, "version": 12}), "new")
+    onnx = json.loads((bundle("llama", "onnx") / "litekv.json").read_text())
+    assert onnx["decode_attention"] == onnx["prefill_attention"] == "kernel" and onnx["decode_model_file"]
+    with pytest.raises(BundleError, match="decode steps run litekv's kernels needs its decode graph"):
+        Manifest.from_json(json.dumps({**onnx, "decode_model_file": None}), "no decode graph")
+    with pytest.raises(BundleError, match="attention ops read a float32 cache, and this one is int8"):
+        Manifest.from_json(json.dumps({**onnx, "kv_dtype": "int8"}), "int8 cache")
     with pytest.raises(BundleError, match="unknown KV cache dtype 'bfloat16'; reconvert"):
         Manifest.from_json(json.dumps({**data, "kv_dtype": "bfloat16"}), "new")
     six = dict(data)

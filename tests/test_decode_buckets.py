@@ -67,16 +67,23 @@ def test_bucket_options_are_refused_for_onnx(field):
         ConvertOptions(backend="onnx", max_context=64, prefill_lengths=(8,), **{field: (16, 64)})
 
 
-def test_decode_attention_is_a_litert_option():
+def test_attention_kinds_and_their_defaults():
+    """LiteRT attends in litekv's kernels by default; ONNX too over a float32 cache (LoRA graphs
+    included), and keeps GroupQueryAttention for its int8 and float16 caches."""
     assert ConvertOptions(max_context=64, prefill_lengths=(8,)).attention_kind == "kernel"
-    assert ConvertOptions(backend="onnx", max_context=64, prefill_lengths=(8,)).attention_kind == "graph"
-    with pytest.raises(ConfigError, match="--decode-attention is a LiteRT option"):
-        ConvertOptions(backend="onnx", max_context=64, prefill_lengths=(8,), decode_attention="kernel")
+    onnx = dict(backend="onnx", max_context=64, prefill_lengths=(8,))
+    assert ConvertOptions(**onnx).attention_kind == ConvertOptions(**onnx).prefill_attention_kind == "kernel"
+    assert ConvertOptions(**onnx, decode_attention="graph").attention_kind == "graph"
+    assert ConvertOptions(**onnx, lora_rank=4).attention_kind == "kernel"
+    for other in (dict(kv_cache="int8"), dict(kv_cache="fp16")):
+        assert ConvertOptions(**onnx, **other).attention_kind == "graph"
+        assert ConvertOptions(**onnx, **other).prefill_attention_kind == "graph"
+        for flag in ("decode_attention", "prefill_attention"):
+            with pytest.raises(ConfigError, match="kernel on ONNX reads a float32 cache"):
+                ConvertOptions(**onnx, **other, **{flag: "kernel"})
     with pytest.raises(ConfigError, match="unknown decode attention 'fast'"):
         ConvertOptions(max_context=64, prefill_lengths=(8,), decode_attention="fast")
     assert ConvertOptions(max_context=64, prefill_lengths=(8,)).prefill_attention_kind == "kernel"
-    with pytest.raises(ConfigError, match="--prefill-attention is a LiteRT option"):
-        ConvertOptions(backend="onnx", max_context=64, prefill_lengths=(8,), prefill_attention="graph")
     with pytest.raises(ConfigError, match="unknown prefill attention 'fast'"):
         ConvertOptions(max_context=64, prefill_lengths=(8,), prefill_attention="fast")
 

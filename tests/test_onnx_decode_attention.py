@@ -1,5 +1,6 @@
-"""litekv's DecodeAttention as an ONNX Runtime custom op (kernels/ort_ops.c): a decode step's RoPE,
-cache write and attention over GroupQueryAttention's head-major float32 cache, against numpy."""
+"""litekv's DecodeAttention and PrefillAttention as ONNX Runtime custom ops (kernels/ort_ops.c): RoPE,
+the cache write and attention of a step or a prefill chunk over GroupQueryAttention's head-major
+float32 cache, against numpy."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,7 +18,8 @@ INPUTS = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "cos",
 
 
 def attention_model(heads: int, kv_heads: int, slots: int, head_dim: int, packed: bool, rotary_half: int | None,
-                    window: int = -1, scale: float | None = 0.125, positions: int = 0, shaped: bool = True) -> bytes:
+                    window: int = -1, scale: float | None = 0.125, positions: int = 0, shaped: bool = True,
+                    op: str = "DecodeAttention") -> bytes:
     """One DecodeAttention node; absent inputs are empty names, as the converter writes them. Not
     `shaped`: its inputs declare no shapes, so ONNX Runtime leaves every shape check to the op."""
     present = {"key": not packed, "value": not packed, "cos": rotary_half is not None, "sin": rotary_half is not None}
@@ -27,16 +29,16 @@ def attention_model(heads: int, kv_heads: int, slots: int, head_dim: int, packed
     attributes = dict(num_heads=heads, kv_num_heads=kv_heads, local_window_size=window)
     if scale is not None:
         attributes["scale"] = scale
-    node = helper.make_node("DecodeAttention", names, ["out", "present_key", "present_value"], domain=KERNEL_DOMAIN,
+    node = helper.make_node(op, names, ["out", "present_key", "present_value"], domain=KERNEL_DOMAIN,
                             **attributes)
     width = (heads + 2 * kv_heads) * head_dim if packed else heads * head_dim
     cache = [1, kv_heads, slots, head_dim]
-    shapes = {"query": [1, 1, width], "key": [1, 1, kv_heads * head_dim], "value": [1, 1, kv_heads * head_dim],
+    shapes = {"query": [1, "T", width], "key": [1, "T", kv_heads * head_dim], "value": [1, "T", kv_heads * head_dim],
               "past_key": cache, "past_value": cache, "seqlens_k": [1], "cos": [positions, rotary_half or 1],
               "sin": [positions, rotary_half or 1]}
     inputs = [helper.make_tensor_value_info(n, TensorProto.INT32 if n == "seqlens_k" else TensorProto.FLOAT,
                                             shapes[n] if shaped else None) for n in names if n]
-    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 1, heads * head_dim]),
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, "T", heads * head_dim]),
                helper.make_tensor_value_info("present_key", TensorProto.FLOAT, cache),
                helper.make_tensor_value_info("present_value", TensorProto.FLOAT, cache)]
     model = helper.make_model(helper.make_graph([node], "attention", inputs, outputs),
@@ -59,27 +61,33 @@ def rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def numpy_step(q, k, v, past_k, past_v, position, cos, sin, window, scale):
-    """(out [H*D], present keys, present values) of one step, in float64."""
+    """(out [T, H*D], present keys, present values) of T tokens (q [T, H*D], k and v [T, KVH*D]) whose
+    last sits at slot `position`, in float64."""
     kv_heads, slots, head_dim = past_k.shape[1:]
-    heads = q.size // head_dim
-    q, k, v = (x.reshape(-1, head_dim).astype(np.float64) for x in (q, k, v))
+    tokens = len(q)
+    heads = q.shape[1] // head_dim
+    q, k, v = (x.reshape(tokens, -1, head_dim).astype(np.float64) for x in (q, k, v))
+    first = position - tokens + 1
     if cos is not None:
-        q, k = rotate_half(q, cos[position], sin[position]), rotate_half(k, cos[position], sin[position])
+        at = slice(first, position + 1)
+        q, k = rotate_half(q, cos[at, None], sin[at, None]), rotate_half(k, cos[at, None], sin[at, None])
     keys, values = past_k[0].astype(np.float64), past_v[0].astype(np.float64)
-    keys[:, position], values[:, position] = k, v
-    first = 0 if window < 0 else max(0, position - window + 1)
-    out = np.empty((heads, head_dim))
-    for h in range(heads):
-        kv = h // (heads // kv_heads)
-        scores = keys[kv, first:position + 1] @ q[h] * scale
-        weights = np.exp(scores - scores.max())
-        out[h] = weights @ values[kv, first:position + 1] / weights.sum()
-    return out.reshape(-1), keys[None], values[None]
+    keys[:, first:position + 1], values[:, first:position + 1] = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
+    out = np.empty((tokens, heads, head_dim))
+    for t in range(tokens):
+        last = first + t
+        lo = 0 if window < 0 else max(0, last - window + 1)
+        for h in range(heads):
+            kv = h // (heads // kv_heads)
+            scores = keys[kv, lo:last + 1] @ q[t, h] * scale
+            weights = np.exp(scores - scores.max())
+            out[t, h] = weights @ values[kv, lo:last + 1] / weights.sum()
+    return out.reshape(tokens, -1), keys[None], values[None]
 
 
-def operands(rng, heads, kv_heads, slots, head_dim, rotary_half):
-    q = rng.normal(size=heads * head_dim).astype(np.float32)
-    k, v = (rng.normal(size=kv_heads * head_dim).astype(np.float32) for _ in range(2))
+def operands(rng, heads, kv_heads, slots, head_dim, rotary_half, tokens=1):
+    q = rng.normal(size=(tokens, heads * head_dim)).astype(np.float32)
+    k, v = (rng.normal(size=(tokens, kv_heads * head_dim)).astype(np.float32) for _ in range(2))
     past_k, past_v = (rng.normal(size=(1, kv_heads, slots, head_dim)).astype(np.float32) for _ in range(2))
     cos = sin = None
     if rotary_half:
@@ -89,11 +97,10 @@ def operands(rng, heads, kv_heads, slots, head_dim, rotary_half):
 
 
 def feeds(q, k, v, past_k, past_v, position, cos, sin, packed):
-    query = np.concatenate([q, k, v]) if packed else q
-    out = {"query": query.reshape(1, 1, -1), "past_key": past_k, "past_value": past_v,
-           "seqlens_k": np.array([position], np.int32)}
+    query = np.concatenate([q, k, v], axis=1) if packed else q
+    out = {"query": query[None], "past_key": past_k, "past_value": past_v, "seqlens_k": np.array([position], np.int32)}
     if not packed:
-        out |= {"key": k.reshape(1, 1, -1), "value": v.reshape(1, 1, -1)}
+        out |= {"key": k[None], "value": v[None]}
     if cos is not None:
         out |= {"cos": cos, "sin": sin}
     return out
@@ -116,10 +123,39 @@ def test_a_step_matches_numpy(head_dim, rotary_half, packed, threads):
         before = past_k.copy()
         out, present_k, present_v = model.run(None, feeds(q, k, v, past_k, past_v, position, cos, sin, packed))
         want, want_k, want_v = numpy_step(q, k, v, past_k, past_v, position, cos, sin, window, 0.125)
-        np.testing.assert_allclose(out.reshape(-1), want, rtol=2e-4, atol=2e-5)
+        np.testing.assert_allclose(out[0], want, rtol=2e-4, atol=2e-5)
         np.testing.assert_allclose(present_k, want_k, rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(present_v, want_v.astype(np.float32))
         np.testing.assert_array_equal(past_k, before)
+
+
+@pytest.mark.parametrize("head_dim, rotary_half", [(64, 32), (128, 64), (64, 16), (48, 24)],
+                         ids=["d64", "d128", "partial-rotary", "d48-portable"])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "separate"])
+def test_a_prefill_chunk_matches_numpy(head_dim, rotary_half, packed):
+    """Chunks of 1 to 100 tokens at the start of the cache and after it, causal, with and without a
+    window; each token attends to the chunk's earlier rows as written by the op itself."""
+    heads, kv_heads, slots = 9, 3, 512
+    rng = np.random.default_rng(head_dim)
+    kernel = AttentionKernel(head_dim, heads, slots, threads=2)
+    for tokens, position, window in ((1, 0, -1), (7, 6, -1), (100, 99, -1), (64, 300, -1), (100, 400, 40),
+                                     (48, 511, 512)):
+        model = session(attention_model(heads, kv_heads, slots, head_dim, packed, rotary_half, window,
+                                        positions=slots, op="PrefillAttention"), kernel)
+        q, k, v, past_k, past_v, cos, sin = operands(rng, heads, kv_heads, slots, head_dim, rotary_half, tokens)
+        out, present_k, present_v = model.run(None, feeds(q, k, v, past_k, past_v, position, cos, sin, packed))
+        want, want_k, want_v = numpy_step(q, k, v, past_k, past_v, position, cos, sin, window, 0.125)
+        np.testing.assert_allclose(out[0], want, rtol=2e-4, atol=2e-5)
+        np.testing.assert_allclose(present_k, want_k, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(present_v, want_v.astype(np.float32))
+
+
+def test_a_step_takes_one_token():
+    kernel = AttentionKernel(64, 4, 64, threads=1)
+    model = session(attention_model(4, 2, 64, 64, True, 32, positions=64), kernel)
+    q, k, v, past_k, past_v, cos, sin = operands(np.random.default_rng(6), 4, 2, 64, 64, 32, tokens=2)
+    with pytest.raises(Exception, match="T = 1 for DecodeAttention"):
+        model.run(None, feeds(q, k, v, past_k, past_v, 5, cos, sin, True))
 
 
 def test_present_bound_to_past_is_written_in_place():
@@ -129,6 +165,7 @@ def test_present_bound_to_past_is_written_in_place():
     model = session(attention_model(heads, kv_heads, slots, head_dim, True, 32, positions=slots), kernel)
     q, k, v, past_k, past_v, cos, sin = operands(np.random.default_rng(3), heads, kv_heads, slots, head_dim, 32)
     want, want_k, want_v = numpy_step(q, k, v, past_k, past_v, 20, cos, sin, -1, 0.125)
+    want = want.reshape(-1)
     io = model.io_binding()
     for name, value in feeds(q, k, v, past_k, past_v, 20, cos, sin, True).items():
         io.bind_cpu_input(name, value)
@@ -153,7 +190,7 @@ def test_calls_outside_the_cache_or_with_disagreeing_shapes_are_refused():
         with pytest.raises(Exception, match="outside the cache"):
             model.run(None, feeds(q, k, v, past_k, past_v, position, cos, sin, False))
     with pytest.raises(Exception, match="shapes disagree"):
-        model.run(None, feeds(q, k[:head_dim], v[:head_dim], past_k, past_v, 3, cos, sin, False))
+        model.run(None, feeds(q, k[:, :head_dim], v[:, :head_dim], past_k, past_v, 3, cos, sin, False))
     with pytest.raises(Exception, match="outside the cache"):  # RoPE tables shorter than the cache
         model.run(None, feeds(q, k, v, past_k, past_v, 40, cos[:32], sin[:32], False))
     wide = AttentionKernel(32, heads, slots, threads=1)  # a head_dim other than the bundle's

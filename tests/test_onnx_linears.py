@@ -183,16 +183,19 @@ def test_the_library_registers_only_through_litekv():
 
 
 @lru_cache(maxsize=None)
-def bundle(arch: str, linears: str) -> Path:
+def bundle(arch: str, kind: str) -> Path:
+    """An ONNX int4 bundle whose linears and attention are litekv's kernels ("kernel", the default)
+    or ONNX Runtime's own ops (MatMulNBits, GroupQueryAttention: "graph")."""
     options = ConvertOptions(backend="onnx", quantize="int4", max_context=64, prefill_lengths=PREFILL_LENGTHS,
-                             decode_linears=linears)
-    return convert(checkpoint_dir(arch), _ROOT / f"{arch}-onnx-int4-{linears}-linears", options)
+                             decode_linears=kind, decode_attention=kind, prefill_attention=kind)
+    return convert(checkpoint_dir(arch), _ROOT / f"{arch}-onnx-int4-{kind}-ops", options)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_steps_follow_the_graph_bundle(arch):
-    """The same weights through MatMulNBits and through litekv's ops: prefill (MatMulNBits in both)
-    writes the same cache (to float reordering), and the steps agree to the activations' rounding."""
+    """The same weights through ONNX Runtime's ops and through litekv's: prefill (MatMulNBits in both,
+    attention GroupQueryAttention's or litekv's) writes the same cache (to float reordering), and the
+    steps agree to the activations' rounding."""
     ours, theirs = open_executor(bundle(arch, "kernel")), open_executor(bundle(arch, "graph"))
     assert ours.decode_session is not ours.session and theirs.decode_session is theirs.session
     prompt = np.random.default_rng(4).integers(3, ours.config.vocab_size, 9)

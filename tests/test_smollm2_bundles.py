@@ -72,21 +72,32 @@ def chat_ids(text: str) -> list[int]:
     return checkpoint().tokenizer.apply_chat_template([{"role": "user", "content": text}])
 
 
-def passage_and_expected() -> tuple[list[int], np.ndarray]:
-    """The passage's first 201 token ids and the fp32 reference's argmax after each of the first 200."""
-    tokens = checkpoint().tokenizer.encode(PASSAGE)[:201]
-    assert len(tokens) == 201
+@lru_cache(maxsize=None)
+def passage_and_expected(text: str = PASSAGE) -> tuple[list[int], np.ndarray]:
+    """A passage's first 201 token ids (or all, the other passages) and the fp32 reference's argmax
+    after each but the last."""
+    tokens = checkpoint().tokenizer.encode(text)[:201]
+    assert len(tokens) == 201 or text != PASSAGE
     ref = reference()
     return tokens, ref.forward(np.array(tokens[:-1]), ref.new_cache(256))[0].argmax(axis=-1)
 
 
+# Two more passages of other kinds (bench/quality_kl.py's): on one passage, int8 activations turn
+# last-bit differences upstream into flips of near-tied tokens. ONNX int8 weights stepped at 93 %
+# with GroupQueryAttention and 89 % with litekv's attention, whose fp32 logits are as close to the
+# reference (1.7e-6 relative, median); over all three passages the two are closer.
+OTHER_PASSAGES = tuple(json.loads((Path(__file__).parents[1] / "bench" / "quality_passages.json").read_text())["texts"])
+
+
 def top1_agreement(executor) -> float:
     """Teacher-forced, one decode step per token: does the bundle's most likely next token match
-    the fp32 reference's?"""
-    tokens, expected = passage_and_expected()
-    cache = executor.create_kv_cache()
-    got = [int(np.argmax(executor.step([t], cache)[0])) for t in tokens[:-1]]
-    return float(np.mean(np.array(got) == expected))
+    the fp32 reference's? Over three passages, 463 positions."""
+    hits = []
+    for text in (PASSAGE, *OTHER_PASSAGES):
+        tokens, expected = passage_and_expected(text)
+        cache = executor.create_kv_cache()
+        hits += [int(np.argmax(executor.step([t], cache)[0])) == e for t, e in zip(tokens[:-1], expected)]
+    return float(np.mean(hits))
 
 
 def prefill_top1_agreement(executor) -> float:
@@ -128,7 +139,7 @@ def test_quantized_agreement_and_coherent_answer(backend, quantize, target, reco
     ex = open_executor(bundle(backend, quantize))
     agreement = top1_agreement(ex)
     record_property("top1_agreement", agreement)
-    print(f"{backend} {quantize}: top-1 agreement with fp32 reference over 200 positions = {agreement:.1%}")
+    print(f"{backend} {quantize}: top-1 agreement with fp32 reference over 463 positions = {agreement:.1%}")
     assert agreement >= target
     after_prefill = prefill_top1_agreement(ex)
     print(f"  after prefill chunks, over 30 positions = {after_prefill:.1%}")

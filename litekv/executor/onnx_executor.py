@@ -88,14 +88,14 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         self.accelerator, providers = choose_providers(accelerator)
         options = _session_options(ort, threads or 2)
         bundle = Path(bundle)
-        self._bundle, self._options, self._providers = bundle, options, providers
+        self._bundle, self._threads, self._providers = bundle, threads or 2, providers
         self._lora_session = None  # the LoRA graph, opened when the first adapter is loaded
         data_file = bundle / (manifest.model_file + ".data")
         mapped_before = mapped_ranges(data_file)  # other sessions of this file in the process: not ours
-        kernel = self._linear_kernel(bundle, manifest, threads or 2)
+        kernel = self._kernel = self._kernels(bundle, manifest, threads or 2)
         try:
             self.session = self._session(bundle / manifest.model_file, options, kernel)
-            # Decode steps run their own graph where it has one (litekv's linear ops), else the same.
+            # Decode steps run their own graph where it has one (litekv's kernels), else the same.
             self.decode_session = self.session
             if manifest.decode_model_file:
                 self.decode_session = self._session(bundle / manifest.decode_model_file,
@@ -117,16 +117,17 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         self.manifest = manifest
 
     @staticmethod
-    def _linear_kernel(bundle: Path, manifest: Manifest, threads: int):
-        """litekv's linear ops for a bundle whose graphs call them, else None."""
-        if manifest.decode_linears != "kernel":
+    def _kernels(bundle: Path, manifest: Manifest, threads: int):
+        """litekv's kernels (linears, attention) for a bundle whose graphs call them, else None."""
+        if not manifest.uses_attention_kernel:
             return None
         cfg = manifest.config
         try:
             return native_attention.AttentionKernel(cfg.head_dim, cfg.num_heads, manifest.max_context, threads)
         except MissingDependency as e:
-            raise BundleError(f"{bundle}: its decode steps run litekv's linear ops, and {e}. Or reconvert the model "
-                              "with --decode-linears graph, which needs ONNX Runtime's own ops only.") from e
+            raise BundleError(f"{bundle}: its graphs run litekv's kernels, and {e}. Or reconvert the model with "
+                              "--decode-linears graph --decode-attention graph --prefill-attention graph, which "
+                              "need ONNX Runtime's own ops only.") from e
 
     def _session(self, path: Path, options, kernel):
         if kernel is None:
@@ -152,7 +153,8 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         if self._lora_session is None:
             path = self._bundle / "model_lora.onnx"
             try:
-                self._lora_session = self._ort.InferenceSession(str(path), self._options, providers=self._providers)
+                # options of its own: litekv's ops register once per SessionOptions
+                self._lora_session = self._session(path, _session_options(self._ort, self._threads), self._kernel)
             except Exception as e:
                 raise BackendError(f"onnxruntime could not load {path}: {e}") from e
         return lora_inputs(adapter, self.config, self.manifest.lora_groups, self.lora_rank, self.manifest.lora_layout)

@@ -194,11 +194,15 @@ INLINE float exp_nonpositive(float x) {
  * tasks (a tile of tokens), which threads take in any order, each with its own
  * scratch of prefill_scratch_floats() floats. */
 typedef struct {
-    const float *query, *mask;          /* [tokens][heads * D] (scaled), [tokens][slots] */
+    const float *query, *mask;          /* [tokens][heads * D] (scaled), [tokens][slots]; see `first` */
     const void *keys, *values;          /* [slots][row]: elements of `cache_type` */
     const float *key_scales, *value_scales; /* CACHE_I8_ROWS: [KVH][slots] row scales; else NULL */
     float *out;                         /* [tokens][heads * D] */
     int cache_type, tokens, slots, heads, kv_heads, head_dim, row;
+    size_t head_stride; /* elements from one KV head's row to the next (Job.head_stride) */
+    /* No mask: causal, token t at slot first + t sees slots first + t - window + 1 .. first + t
+     * (window 0: from slot 0), as ONNX Runtime's op computes it rather than reading a mask */
+    int first, window;
 } PrefillJob;
 
 int prefill_tasks(const PrefillJob *job);

@@ -19,19 +19,20 @@
  * optional second output is s, the residual stream. A decode step's norms are a node each
  * otherwise, 5 us apiece for 576 floats, nearly all of it ONNX Runtime's cost of a node.
  *
- *   "DecodeAttention": one decode step's attention over a float32 cache in GroupQueryAttention's
- *                 layout, which it replaces in the graph for decode steps (52 us a layer at 320
- *                 tokens, on one thread, against litekv's kernel on two).
- *                 query f32 [1, 1, H*D], or [1, 1, (H + 2 KVH) * D] with q, k and v packed; key and
- *                 value f32 [1, 1, KVH*D] (absent when packed); past_key, past_value f32
- *                 [1, KVH, S, D]; seqlens_k int32 [1] (the step's slot); cos, sin f32 [P, R/2]
- *                 (absent: no RoPE)  ->  out f32 [1, 1, H*D], present_key, present_value.
+ *   "DecodeAttention", "PrefillAttention": attention over a float32 cache in GroupQueryAttention's
+ *                 layout, which they replace in the graphs (a step's GroupQueryAttention took 52 us a
+ *                 layer at 320 tokens on one thread; litekv's kernels run on two). Decode takes one
+ *                 token (litekv's decode kernel), prefill a chunk of T (its prefill kernel).
+ *                 query f32 [1, T, H*D], or [1, T, (H + 2 KVH) * D] with q, k and v packed; key and
+ *                 value f32 [1, T, KVH*D] (absent when packed); past_key, past_value f32
+ *                 [1, KVH, S, D]; seqlens_k int32 [1] (the last token's slot); cos, sin f32
+ *                 [P, R/2] (absent: no RoPE)  ->  out f32 [1, T, H*D], present_key, present_value.
  *                 Int attributes num_heads, kv_num_heads, local_window_size (-1: none), float
  *                 scale. RoPE (rotate-half over the first R elements of each head) goes on q and k,
- *                 the scale on q; the step's k and v rows are written at slot seqlens_k, and the
- *                 query attends to slots seqlens_k - window + 1 .. seqlens_k. Bound to the same
- *                 buffer as past (as GroupQueryAttention's are), present is written in place;
- *                 otherwise past is copied into it first.
+ *                 the scale on q; the chunk's k and v rows are written at slots seqlens_k - T + 1 ..
+ *                 seqlens_k, and the token at slot p attends to slots p - window + 1 .. p. Bound to
+ *                 the same buffer as past (as GroupQueryAttention's are), present is written in
+ *                 place; otherwise past is copied into it first.
  *
  * The library is the one Python loads with ctypes: litekv_ort_prepare() names the AttentionConfig
  * the next registration uses, then SessionOptions.register_custom_ops_library(path) calls
@@ -84,7 +85,7 @@ enum {
 enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2, ORT_RUNTIME_EXCEPTION = 6 };
 enum { TYPE_FLOAT = 1, TYPE_UINT8 = 2, TYPE_INT8 = 3, TYPE_INT32 = 6, TYPE_FLOAT16 = 10 };
 enum { REQUIRED = 0, OPTIONAL = 1 }; /* OrtCustomOpInputOutputCharacteristic */
-enum { KIND_LINEAR_INT4, KIND_LINEAR_INT8, KIND_DECODE_ATTENTION };
+enum { KIND_LINEAR_INT4, KIND_LINEAR_INT8, KIND_DECODE_ATTENTION, KIND_PREFILL_ATTENTION };
 enum { GATE_NONE = 0, GATE_SILU = LINEAR_GATE_SILU, GATE_GELU_TANH = LINEAR_GATE_GELU_TANH }; /* emit_onnx.GATES */
 
 /* OrtCustomOp, as far as version 16 reads it. */
@@ -115,6 +116,8 @@ int litekv_linear_run(void *cfg, int format, const float *x, float *y, const voi
                       const int8_t *offsets, const float *row_scales, int tokens, int in, int out, int block);
 int litekv_attention_head_major(void *cfg, const float *query, const float *keys, const float *values, float *out,
                                 int heads, int kv_heads, int slots, int head_dim, int lo, int hi);
+int litekv_prefill_head_major(void *cfg, const float *query, const float *keys, const float *values, float *out,
+                              int tokens, int heads, int kv_heads, int slots, int head_dim, int first, int window);
 
 /* One op of one registration: ONNX Runtime hands `op` back to every callback, so the rest is ours. */
 typedef struct {
@@ -132,7 +135,7 @@ typedef struct {
 } Scratch;
 
 typedef struct Registration {
-    Op int4, int8, attention;
+    Op int4, int8, decode_attention, prefill_attention;
     const OrtApi *api;
     void *domain;
     Scratch rows;   /* a gated linear's rows before the gate, or a step's rotated query */
@@ -169,7 +172,7 @@ static OrtStatus *error(const OrtApi *api, int code, const char *message) {
 static int kind_of(const CustomOp *op) { return ((const Op *)(const void *)op)->kind; }
 
 static const char *op_name(const CustomOp *op) {
-    static const char *const names[] = {"LinearInt4", "LinearInt8", "DecodeAttention"};
+    static const char *const names[] = {"LinearInt4", "LinearInt8", "DecodeAttention", "PrefillAttention"};
     return names[kind_of(op)];
 }
 
@@ -187,7 +190,7 @@ static const int attention_inputs[] = {TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT, TYPE_
 enum { ATTN_QUERY, ATTN_KEY, ATTN_VALUE, ATTN_PAST_KEY, ATTN_PAST_VALUE, ATTN_SEQLENS, ATTN_COS, ATTN_SIN };
 
 static size_t op_input_count(const CustomOp *op) {
-    static const size_t counts[] = {7, 5, 8};
+    static const size_t counts[] = {7, 5, 8, 8};
     return counts[kind_of(op)];
 }
 
@@ -195,11 +198,13 @@ static size_t op_input_count(const CustomOp *op) {
 static size_t linear_weight_inputs(int kind) { return kind == KIND_LINEAR_INT8 ? 3 : 5; }
 
 static int op_input_type(const CustomOp *op, size_t index) {
-    static const int *const types[] = {linear_int4_inputs, linear_int8_inputs, attention_inputs};
+    static const int *const types[] = {linear_int4_inputs, linear_int8_inputs, attention_inputs, attention_inputs};
     return index < op_input_count(op) ? types[kind_of(op)][index] : 0;
 }
 
-static size_t op_output_count(const CustomOp *op) { return kind_of(op) == KIND_DECODE_ATTENTION ? 3 : 2; }
+static int is_attention(int kind) { return kind == KIND_DECODE_ATTENTION || kind == KIND_PREFILL_ATTENTION; }
+
+static size_t op_output_count(const CustomOp *op) { return is_attention(kind_of(op)) ? 3 : 2; }
 
 static int op_output_type(const CustomOp *op, size_t index) {
     (void)op;
@@ -208,13 +213,13 @@ static int op_output_type(const CustomOp *op, size_t index) {
 }
 
 static int op_input_characteristic(const CustomOp *op, size_t index) {
-    if (kind_of(op) != KIND_DECODE_ATTENTION) return index < linear_weight_inputs(kind_of(op)) ? REQUIRED : OPTIONAL;
+    if (!is_attention(kind_of(op))) return index < linear_weight_inputs(kind_of(op)) ? REQUIRED : OPTIONAL;
     const int optional = index == ATTN_KEY || index == ATTN_VALUE || index == ATTN_COS || index == ATTN_SIN;
     return optional ? OPTIONAL : REQUIRED;
 }
 
 static int op_output_characteristic(const CustomOp *op, size_t index) {
-    return kind_of(op) != KIND_DECODE_ATTENTION && index == 1 ? OPTIONAL : REQUIRED; /* a linear's residual sum */
+    return !is_attention(kind_of(op)) && index == 1 ? OPTIONAL : REQUIRED; /* a linear's residual sum */
 }
 
 static int op_memory_type(const CustomOp *op, size_t index) {
@@ -241,24 +246,24 @@ static OrtStatus *op_create_kernel(const CustomOp *custom, const OrtApi *api, co
             return error(api, ORT_INVALID_ARGUMENT, "litekv linear: unknown gate (1 = silu, 2 = gelu_tanh)");
         k.gate = (int)gate;
     }
-    if (op->kind != KIND_DECODE_ATTENTION) {
+    if (!is_attention(op->kind)) {
         OrtStatus *absent = API(api, SLOT_KERNEL_INFO_GET_ATTRIBUTE_FLOAT,
                                 OrtStatus * (*)(const void *, const char *, float *))(info, "epsilon", &k.epsilon);
         if (absent) API(api, SLOT_RELEASE_STATUS, void (*)(OrtStatus *))(absent), k.epsilon = 1e-6f;
         if (!(k.epsilon >= 0.0f)) return error(api, ORT_INVALID_ARGUMENT, "litekv linear: epsilon must be >= 0");
-    } else if (op->kind == KIND_DECODE_ATTENTION) {
+    } else {
         const int64_t heads = int_attribute(api, info, "num_heads", 0), kv_heads = int_attribute(api, info,
                                                                                                  "kv_num_heads", 0);
         const int64_t window = int_attribute(api, info, "local_window_size", -1);
         if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || heads > 4096 || window == 0 || window > INT32_MAX)
-            return error(api, ORT_INVALID_ARGUMENT, "litekv DecodeAttention: num_heads and kv_num_heads must be "
+            return error(api, ORT_INVALID_ARGUMENT, "litekv attention: num_heads and kv_num_heads must be "
                                                     "positive, num_heads a multiple of kv_num_heads, and "
                                                     "local_window_size positive or -1");
         OrtStatus *absent = API(api, SLOT_KERNEL_INFO_GET_ATTRIBUTE_FLOAT,
                                 OrtStatus * (*)(const void *, const char *, float *))(info, "scale", &k.scale);
         if (absent) {
             API(api, SLOT_RELEASE_STATUS, void (*)(OrtStatus *))(absent);
-            return error(api, ORT_INVALID_ARGUMENT, "litekv DecodeAttention: the float attribute `scale` is missing");
+            return error(api, ORT_INVALID_ARGUMENT, "litekv attention: the float attribute `scale` is missing");
         }
         k.heads = (int)heads, k.kv_heads = (int)kv_heads, k.window = window < 0 ? 0 : (int)window;
     }
@@ -418,10 +423,11 @@ static void rotate(const float *restrict x, const float *restrict cos, const flo
 static OrtStatus *attention_compute(const Kernel *kernel, void *context) {
     const Op *op = kernel->op;
     const OrtApi *api = op->api;
+    const int prefill = op->kind == KIND_PREFILL_ATTENTION;
     size_t inputs = 0;
     CHECK(API(api, SLOT_KERNEL_CONTEXT_GET_INPUT_COUNT, OrtStatus * (*)(const void *, size_t *))(context, &inputs));
     if (inputs < ATTN_SEQLENS + 1 || inputs > ATTN_SIN + 1)
-        return error(api, ORT_INVALID_ARGUMENT, "litekv DecodeAttention: wrong number of inputs");
+        return error(api, ORT_INVALID_ARGUMENT, "litekv attention: wrong number of inputs");
     Tensor q, k, v, past_k, past_v, seqlens, cos = {0}, sin = {0};
     CHECK(input(api, context, ATTN_QUERY, TYPE_FLOAT, &q));
     CHECK(read_input(api, context, ATTN_KEY, TYPE_FLOAT, 1, &k));
@@ -439,8 +445,11 @@ static OrtStatus *attention_compute(const Kernel *kernel, void *context) {
     for (size_t i = 0; agree && i < 4; i++) agree = past_v.dims[i] == past_k.dims[i];
     const size_t slots = agree ? (size_t)past_k.dims[2] : 0, head_dim = agree ? (size_t)past_k.dims[3] : 0;
     const size_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
-    agree = agree && !k.data == !v.data && q.dims[q.rank - 1] == (int64_t)(packed ? q_width + 2 * kv_width : q_width) &&
-            q.count == (size_t)q.dims[q.rank - 1] && (packed || (k.count == kv_width && v.count == kv_width)) &&
+    const size_t width = packed ? q_width + 2 * kv_width : q_width;
+    const size_t tokens = agree ? q.count / width : 0;
+    agree = agree && tokens > 0 && (prefill || tokens == 1) && !k.data == !v.data &&
+            q.dims[q.rank - 1] == (int64_t)width && (packed || (k.count == tokens * kv_width &&
+                                                                v.count == tokens * kv_width)) &&
             seqlens.count == 1 && !cos.data == !sin.data;
     const int rotary = cos.data != NULL;
     size_t half = 0;
@@ -451,13 +460,14 @@ static OrtStatus *attention_compute(const Kernel *kernel, void *context) {
     }
     if (!agree)
         return error(api, ORT_INVALID_ARGUMENT,
-                     "litekv DecodeAttention: the input shapes disagree (query [1, 1, H*D] or packed [1, 1, (H + 2 "
-                     "KVH) * D] without key and value, key and value [1, 1, KVH*D], past_key and past_value [1, KVH, "
-                     "S, D], seqlens_k [1], cos and sin [P, R/2] with R <= D, both or neither)");
-    const int64_t position = ((const int32_t *)seqlens.data)[0];
-    if (position < 0 || (size_t)position >= slots || (rotary && position >= cos.dims[0]))
-        return error(api, ORT_INVALID_ARGUMENT, "litekv DecodeAttention: seqlens_k is outside the cache (or the "
-                                                "RoPE tables)");
+                     "litekv attention: the input shapes disagree (query [1, T, H*D] or packed [1, T, (H + 2 KVH) * "
+                     "D] without key and value, key and value [1, T, KVH*D], T = 1 for DecodeAttention, past_key and "
+                     "past_value [1, KVH, S, D], seqlens_k [1], cos and sin [P, R/2] with R <= D, both or neither)");
+    /* seqlens_k is the last token's slot: the chunk sits right after the cache's tokens */
+    const int64_t last = ((const int32_t *)seqlens.data)[0], first = last - (int64_t)tokens + 1;
+    if (first < 0 || last >= (int64_t)slots || (rotary && last >= cos.dims[0]))
+        return error(api, ORT_INVALID_ARGUMENT, "litekv attention: seqlens_k puts the tokens outside the cache (or "
+                                                "the RoPE tables)");
     int64_t out_dims[MAX_RANK];
     for (size_t i = 0; i < q.rank; i++) out_dims[i] = q.dims[i];
     out_dims[q.rank - 1] = (int64_t)q_width;
@@ -469,45 +479,55 @@ static OrtStatus *attention_compute(const Kernel *kernel, void *context) {
      * nothing is copied) */
     if (present_k != past_k.data) memcpy(present_k, past_k.data, sizeof(float) * past_k.count);
     if (present_v != past_v.data) memcpy(present_v, past_v.data, sizeof(float) * past_v.count);
-    const float *query = q.data, *key = packed ? query + q_width : k.data,
-                *value = packed ? query + q_width + kv_width : v.data;
-    const float *cos_row = rotary ? (const float *)cos.data + (size_t)position * half : NULL,
-                *sin_row = rotary ? (const float *)sin.data + (size_t)position * half : NULL;
+    const size_t key_at = packed ? q_width : 0, value_at = packed ? q_width + kv_width : 0;
+    const size_t q_stride = width, kv_stride = packed ? width : kv_width; /* floats from a token's row to the next */
+    const float *keys = packed ? q.data : k.data, *values = packed ? q.data : v.data;
     pthread_mutex_lock(&call_lock);
-    float *rotated = scratch(&kernel->registration->rows, q_width);
+    float *rotated = scratch(&kernel->registration->rows, tokens * q_width);
     int status = -1;
     if (rotated) {
-        for (size_t h = 0; h < heads; h++) {
-            float *row = rotated + h * head_dim;
-            if (rotary)
-                rotate(query + h * head_dim, cos_row, sin_row, row, (int)half, (int)head_dim);
-            else
-                memcpy(row, query + h * head_dim, sizeof(float) * head_dim);
-            for (size_t i = 0; i < head_dim; i++) row[i] *= kernel->scale;
+        for (size_t t = 0; t < tokens; t++) {
+            const size_t slot = (size_t)first + t;
+            const float *cos_row = rotary ? (const float *)cos.data + slot * half : NULL,
+                        *sin_row = rotary ? (const float *)sin.data + slot * half : NULL;
+            for (size_t h = 0; h < heads; h++) {
+                const float *from = (const float *)q.data + t * q_stride + h * head_dim;
+                float *row = rotated + t * q_width + h * head_dim;
+                if (rotary)
+                    rotate(from, cos_row, sin_row, row, (int)half, (int)head_dim);
+                else
+                    memcpy(row, from, sizeof(float) * head_dim);
+                for (size_t i = 0; i < head_dim; i++) row[i] *= kernel->scale;
+            }
+            for (size_t kv = 0; kv < kv_heads; kv++) {
+                const size_t at = (kv * slots + slot) * head_dim, from = t * kv_stride + kv * head_dim;
+                if (rotary)
+                    rotate(keys + key_at + from, cos_row, sin_row, present_k + at, (int)half, (int)head_dim);
+                else
+                    memcpy(present_k + at, keys + key_at + from, sizeof(float) * head_dim);
+                memcpy(present_v + at, values + value_at + from, sizeof(float) * head_dim);
+            }
         }
-        for (size_t kv = 0; kv < kv_heads; kv++) {
-            const size_t at = (kv * slots + (size_t)position) * head_dim;
-            if (rotary)
-                rotate(key + kv * head_dim, cos_row, sin_row, present_k + at, (int)half, (int)head_dim);
-            else
-                memcpy(present_k + at, key + kv * head_dim, sizeof(float) * head_dim);
-            memcpy(present_v + at, value + kv * head_dim, sizeof(float) * head_dim);
+        if (tokens == 1) {
+            const int64_t lo = kernel->window ? last - kernel->window + 1 : 0;
+            status = litekv_attention_head_major(op->config, rotated, present_k, present_v, out, (int)heads,
+                                                 (int)kv_heads, (int)slots, (int)head_dim, lo > 0 ? (int)lo : 0,
+                                                 (int)last);
+        } else {
+            status = litekv_prefill_head_major(op->config, rotated, present_k, present_v, out, (int)tokens, (int)heads,
+                                               (int)kv_heads, (int)slots, (int)head_dim, (int)first, kernel->window);
         }
-        const int64_t first = kernel->window ? position - kernel->window + 1 : 0;
-        status = litekv_attention_head_major(op->config, rotated, present_k, present_v, out, (int)heads, (int)kv_heads,
-                                             (int)slots, (int)head_dim, first > 0 ? (int)first : 0, (int)position);
     }
     pthread_mutex_unlock(&call_lock);
     return status ? error(api, ORT_RUNTIME_EXCEPTION,
-                          "litekv DecodeAttention: the kernel refused the call (a head_dim or cache longer than the "
-                          "bundle's, or out of memory)")
+                          "litekv attention: the kernel refused the call (a head_dim or cache longer than the bundle's, "
+                          "or out of memory)")
                   : NULL;
 }
 
 static OrtStatus *op_compute(void *kernel_data, void *context) {
     const Kernel *kernel = kernel_data;
-    return kernel->op->kind == KIND_DECODE_ATTENTION ? attention_compute(kernel, context)
-                                                     : linear_compute(kernel, context);
+    return is_attention(kernel->op->kind) ? attention_compute(kernel, context) : linear_compute(kernel, context);
 }
 
 /* ---- registration ---------------------------------------------------------------------------- */
@@ -551,13 +571,18 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(void *option
     r->api = api;
     describe(&r->int4, r, config, KIND_LINEAR_INT4);
     describe(&r->int8, r, config, KIND_LINEAR_INT8);
-    describe(&r->attention, r, config, KIND_DECODE_ATTENTION);
+    describe(&r->decode_attention, r, config, KIND_DECODE_ATTENTION);
+    describe(&r->prefill_attention, r, config, KIND_PREFILL_ATTENTION);
     OrtStatus *status =
         API(api, SLOT_CREATE_CUSTOM_OP_DOMAIN, OrtStatus * (*)(const char *, void **))("litekv", &r->domain);
     if (!status) status = API(api, SLOT_CUSTOM_OP_DOMAIN_ADD, OrtStatus * (*)(void *, const void *))(r->domain, &r->int4);
     if (!status) status = API(api, SLOT_CUSTOM_OP_DOMAIN_ADD, OrtStatus * (*)(void *, const void *))(r->domain, &r->int8);
     if (!status)
-        status = API(api, SLOT_CUSTOM_OP_DOMAIN_ADD, OrtStatus * (*)(void *, const void *))(r->domain, &r->attention);
+        status = API(api, SLOT_CUSTOM_OP_DOMAIN_ADD, OrtStatus * (*)(void *, const void *))(r->domain,
+                                                                                          &r->decode_attention);
+    if (!status)
+        status = API(api, SLOT_CUSTOM_OP_DOMAIN_ADD, OrtStatus * (*)(void *, const void *))(r->domain,
+                                                                                          &r->prefill_attention);
     if (!status) status = API(api, SLOT_ADD_CUSTOM_OP_DOMAIN, OrtStatus * (*)(void *, void *))(options, r->domain);
     if (status) {
         litekv_ort_release(r);

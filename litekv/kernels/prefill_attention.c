@@ -18,6 +18,7 @@
  * codes with static scales the graph folds the scales into the query and the output, as for
  * decode, and codes with a scale per row are multiplied by it as they are widened.
  */
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -62,7 +63,7 @@ size_t prefill_scratch_floats(int heads, int head_dim, int max_slots) {
 INLINE const float *cache_rows(const PrefillJob *job, const void *cache, const float *scales, int first, int count,
                                int kv, float *restrict buffer, size_t *stride) {
     const int d = job->head_dim;
-    const size_t at = (size_t)first * job->row + (size_t)kv * d;
+    const size_t at = (size_t)first * job->row + (size_t)kv * job->head_stride;
     if (job->cache_type == CACHE_F32) {
         *stride = (size_t)job->row;
         return (const float *)cache + at;
@@ -109,6 +110,12 @@ typedef struct {
     int t0, tokens, kv, group, rows, lo, hi;
 } Tile;
 
+/* Slots lo..hi that token t sees in a job without a mask. */
+INLINE void visible(const PrefillJob *job, int token, int *lo, int *hi) {
+    *hi = job->first + token;
+    *lo = job->window && *hi - job->window + 1 > 0 ? *hi - job->window + 1 : 0;
+}
+
 /* The tile of `task`, for KV head 0: the last tokens first, since their spans are the longest and
  * threads that take tasks in order then finish together. lo > hi if no row sees any slot. */
 INLINE Tile tile_of(const PrefillJob *job, int task) {
@@ -116,6 +123,13 @@ INLINE Tile tile_of(const PrefillJob *job, int task) {
     Tile t = {tile * tq, 0, 0, job->heads / job->kv_heads, 0, job->slots, -1};
     t.tokens = job->tokens - t.t0 < tq ? job->tokens - t.t0 : tq;
     t.rows = t.tokens * t.group;
+    if (!job->mask) { /* causal: the first token sees the lowest slot, the last the highest */
+        visible(job, t.t0, &t.lo, &t.hi);
+        int lo, hi;
+        visible(job, t.t0 + t.tokens - 1, &lo, &hi);
+        t.hi = hi;
+        return t;
+    }
     for (int i = 0; i < t.tokens; i++) {
         const float *m = job->mask + (size_t)(t.t0 + i) * job->slots;
         int lo, hi; /* a causal row's masked tail is most of the row at the start of a long cache */
@@ -136,9 +150,16 @@ INLINE float *out_row(const PrefillJob *job, const Tile *t, int r) {
 /* Adds row r's mask to its n scores and replaces them with e^(score - max); returns their sum,
  * 0 (and zero numerators) if the row sees no slot of the span. */
 INLINE float row_numerators(const PrefillJob *job, const Tile *t, int r, float *restrict s, int n) {
-    const float *restrict m = job->mask + (size_t)(t->t0 + r / t->group) * job->slots + t->lo;
     float total = 0.0f;
-    for (int i = 0; i < n; i++) s[i] += m[i];
+    if (job->mask) {
+        const float *restrict m = job->mask + (size_t)(t->t0 + r / t->group) * job->slots + t->lo;
+        for (int i = 0; i < n; i++) s[i] += m[i];
+    } else { /* slots outside the row's causal span */
+        int lo, hi;
+        visible(job, t->t0 + r / t->group, &lo, &hi);
+        for (int i = 0; i < n; i++)
+            if (t->lo + i < lo || t->lo + i > hi) s[i] = -INFINITY;
+    }
     const float top = max_of(s, n);
     if (top <= MASKED_BELOW) {
         memset(s, 0, sizeof(float) * (size_t)n);
@@ -228,7 +249,7 @@ INLINE void task_any(const PrefillJob *job, const Tile *t, float *scratch) {
         const float *q = job->query + (size_t)(t->t0 + r / t->group) * job->heads * d +
                          (size_t)(t->kv * t->group + r % t->group) * d;
         for (int i = 0; i < n; i++) {
-            const size_t k = (size_t)(t->lo + i) * job->row + (size_t)t->kv * d;
+            const size_t k = (size_t)(t->lo + i) * job->row + (size_t)t->kv * job->head_stride;
             float dot = 0.0f;
             for (int j = 0; j < d; j++) dot += q[j] * element(job->keys, k + j, job->cache_type);
             scratch[i] = dot * row_scale(job->key_scales, job->slots, t->kv, t->lo + i);
@@ -237,7 +258,7 @@ INLINE void task_any(const PrefillJob *job, const Tile *t, float *scratch) {
         float *o = out_row(job, t, r);
         memset(o, 0, sizeof(float) * d);
         for (int i = 0; i < n; i++) {
-            const size_t v = (size_t)(t->lo + i) * job->row + (size_t)t->kv * d;
+            const size_t v = (size_t)(t->lo + i) * job->row + (size_t)t->kv * job->head_stride;
             const float w = scratch[i] * row_scale(job->value_scales, job->slots, t->kv, t->lo + i);
             for (int j = 0; j < d; j++) o[j] += w * element(job->values, v + j, job->cache_type);
         }
