@@ -185,14 +185,21 @@ class ConvertOptions:
         """litekv's ONNX attention ops read GroupQueryAttention's float32 cache, not its others."""
         return (self.kv_cache or "fp32") == "fp32"
 
-    def _attention_kind(self, choice: str | None) -> str:
+    def _attention_kind(self, choice: str | None, prefill: bool = False) -> str:
         """What the manifest records for one kind of entry point: "kernel" (litekv's attention op) by
-        default on LiteRT, and on ONNX where it fits (a float32 cache): a decode step's
-        GroupQueryAttention took 52 us a layer at 320 tokens on one thread, the kernel 13-16 on two,
-        and prefill's half as long at 256 tokens (bench/PERFORMANCE.md, seventeenth round)."""
-        if self.backend == "onnx":
-            return choice or ("kernel" if self._onnx_attention_kernel_fits else "graph")
-        return choice or "kernel"
+        default on LiteRT. On ONNX, decode steps default to it where their linears are litekv's too
+        (int4, float32 cache): a step's GroupQueryAttention took 52 us a layer at 320 tokens on the
+        decode graph's one thread, litekv's kernel about 15 on two. Not with the runtime's linears,
+        which want ONNX Runtime's two threads (an fp32 step fell from 69 to 54 tok/s in a one-thread
+        decode graph) and would be prepacked again for a second graph (peak RSS 1,296 MB against a
+        952 MB budget), nor in prefill, where the op's helper thread meets ONNX Runtime's spinning
+        pool: a 256-token int4 prefill took 202 ms against GroupQueryAttention's 194 (seventeenth
+        round, bench/PERFORMANCE.md)."""
+        if self.backend != "onnx":
+            return choice or "kernel"
+        if choice or prefill:
+            return choice or "graph"
+        return "kernel" if self._onnx_attention_kernel_fits and self.linears_kind == "kernel" else "graph"
 
     @property
     def attention_kind(self) -> str:
@@ -203,14 +210,16 @@ class ConvertOptions:
     def linears_kind(self) -> str:
         """The decode steps' quantized linears: "kernel" only where some weight is int4 or int8."""
         if self.decode_linears is None:
-            return default_decode_linears(self.backend, self.quantize, self.attention_kind, self.lora_rank is not None)
+            # ONNX's default does not depend on the attention (whose default depends on the linears)
+            attention = self.attention_kind if self.backend == "litert" else "graph"
+            return default_decode_linears(self.backend, self.quantize, attention, self.lora_rank is not None)
         quantized = {self.plan.weights, self.plan.lm_head} & {"int4", "int8"}
         return "kernel" if quantized and self.decode_linears == "kernel" else "graph"
 
     @property
     def prefill_attention_kind(self) -> str:
         """The prefill chunks' attention."""
-        return self._attention_kind(self.prefill_attention)
+        return self._attention_kind(self.prefill_attention, prefill=True)
 
     @property
     def lora(self) -> LoraSpec | None:

@@ -68,16 +68,20 @@ def test_bucket_options_are_refused_for_onnx(field):
 
 
 def test_attention_kinds_and_their_defaults():
-    """LiteRT attends in litekv's kernels by default; ONNX too over a float32 cache (LoRA graphs
-    included), and keeps GroupQueryAttention for its int8 and float16 caches."""
+    """LiteRT attends in litekv's kernels by default. ONNX decode steps do where their linears are
+    litekv's (int4) over a float32 cache; ONNX prefill keeps GroupQueryAttention, and so do its
+    int8 and float16 caches. Either kernel may be chosen over a float32 cache."""
     assert ConvertOptions(max_context=64, prefill_lengths=(8,)).attention_kind == "kernel"
     onnx = dict(backend="onnx", max_context=64, prefill_lengths=(8,))
-    assert ConvertOptions(**onnx).attention_kind == ConvertOptions(**onnx).prefill_attention_kind == "kernel"
-    assert ConvertOptions(**onnx, decode_attention="graph").attention_kind == "graph"
-    assert ConvertOptions(**onnx, lora_rank=4).attention_kind == "kernel"
+    int4 = ConvertOptions(**onnx, quantize="int4")
+    assert (int4.linears_kind, int4.attention_kind, int4.prefill_attention_kind) == ("kernel", "kernel", "graph")
+    for quantize in ("fp32", "int8"):
+        assert ConvertOptions(**onnx, quantize=quantize).attention_kind == "graph"
+    assert ConvertOptions(**onnx, quantize="int4", lora_rank=4).attention_kind == "graph"  # graph linears
+    assert ConvertOptions(**onnx, decode_attention="kernel", prefill_attention="kernel").prefill_attention_kind == \
+        "kernel"
     for other in (dict(kv_cache="int8"), dict(kv_cache="fp16")):
-        assert ConvertOptions(**onnx, **other).attention_kind == "graph"
-        assert ConvertOptions(**onnx, **other).prefill_attention_kind == "graph"
+        assert ConvertOptions(**onnx, quantize="int4", **other).attention_kind == "graph"
         for flag in ("decode_attention", "prefill_attention"):
             with pytest.raises(ConfigError, match="kernel on ONNX reads a float32 cache"):
                 ConvertOptions(**onnx, **other, **{flag: "kernel"})

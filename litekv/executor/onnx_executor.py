@@ -98,8 +98,10 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             # Decode steps run their own graph where it has one (litekv's kernels), else the same.
             self.decode_session = self.session
             if manifest.decode_model_file:
+                # one thread where litekv's kernels do the matmuls; ONNX Runtime's own want its pool
+                decode_threads = DECODE_GRAPH_THREADS if manifest.decode_linears == "kernel" else threads or 2
                 self.decode_session = self._session(bundle / manifest.decode_model_file,
-                                                    _session_options(ort, DECODE_GRAPH_THREADS), kernel)
+                                                    _session_options(ort, decode_threads), kernel)
             self.sampler = (ort.InferenceSession(str(bundle / manifest.sampler_file), _session_options(ort, 1),
                                                  providers=providers) if manifest.sampler_file else None)
         except Exception as e:  # onnxruntime raises its own exception types
