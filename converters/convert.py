@@ -185,21 +185,19 @@ class ConvertOptions:
         """litekv's ONNX attention ops read GroupQueryAttention's float32 cache, not its others."""
         return (self.kv_cache or "fp32") == "fp32"
 
-    def _attention_kind(self, choice: str | None, prefill: bool = False) -> str:
+    def _attention_kind(self, choice: str | None) -> str:
         """What the manifest records for one kind of entry point: "kernel" (litekv's attention op) by
-        default on LiteRT. On ONNX, decode steps default to it where their linears are litekv's too
-        (int4, float32 cache): a step's GroupQueryAttention took 52 us a layer at 320 tokens on the
-        decode graph's one thread, litekv's kernel about 15 on two. Not with the runtime's linears,
-        which want ONNX Runtime's two threads (an fp32 step fell from 69 to 54 tok/s in a one-thread
-        decode graph) and would be prepacked again for a second graph (peak RSS 1,296 MB against a
-        952 MB budget), nor in prefill, where the op's helper thread meets ONNX Runtime's spinning
-        pool: a 256-token int4 prefill took 202 ms against GroupQueryAttention's 194 (seventeenth
-        round, bench/PERFORMANCE.md)."""
+        default on LiteRT. On ONNX, where the decode steps' linears are litekv's too (int4) over a
+        float32 cache: a step's GroupQueryAttention took 52 us a layer at 320 tokens on the decode
+        graph's one thread, litekv's kernel about 15 on two, and a 256-token int4 prefill 206 ms
+        against 214 (1,024 tokens: 855 against 890), its tasks on ONNX Runtime's pool. Not with
+        the runtime's own linears: their steps run the prefill graph, where the decode kernel's
+        helper thread meets the pool spinning, and a decode graph of their own would run them on
+        one thread (an fp32 step fell from 69 to 54 tok/s) or prepack them twice (fp32 peak RSS
+        1,296 MB against a 952 MB budget). Seventeenth round, bench/PERFORMANCE.md."""
         if self.backend != "onnx":
             return choice or "kernel"
-        if choice or prefill:
-            return choice or "graph"
-        return "kernel" if self._onnx_attention_kernel_fits and self.linears_kind == "kernel" else "graph"
+        return choice or ("kernel" if self._onnx_attention_kernel_fits and self.linears_kind == "kernel" else "graph")
 
     @property
     def attention_kind(self) -> str:
@@ -219,7 +217,7 @@ class ConvertOptions:
     @property
     def prefill_attention_kind(self) -> str:
         """The prefill chunks' attention."""
-        return self._attention_kind(self.prefill_attention, prefill=True)
+        return self._attention_kind(self.prefill_attention)
 
     @property
     def lora(self) -> LoraSpec | None:

@@ -360,7 +360,7 @@ def test_manifest_versions(tmp_path):
     with pytest.raises(BundleError, match="version 12 is not supported.*reads versions 3, 4, 5, 6, 7, 8, 9, 10, 11"):
         Manifest.from_json(json.dumps({**data, "version": 12}), "new")
     onnx = json.loads((bundle("llama", "onnx", "int4") / "litekv.json").read_text())
-    assert (onnx["decode_attention"], onnx["prefill_attention"]) == ("kernel", "graph") and onnx["decode_model_file"]
+    assert onnx["decode_attention"] == onnx["prefill_attention"] == "kernel" and onnx["decode_model_file"]
     with pytest.raises(BundleError, match="decode steps run litekv's kernels needs its decode graph"):
         Manifest.from_json(json.dumps({**onnx, "decode_model_file": None}), "no decode graph")
     with pytest.raises(BundleError, match="separate decode graph is for ONNX bundles whose decode steps run"):

@@ -68,15 +68,16 @@ def test_bucket_options_are_refused_for_onnx(field):
 
 
 def test_attention_kinds_and_their_defaults():
-    """LiteRT attends in litekv's kernels by default. ONNX decode steps do where their linears are
-    litekv's (int4) over a float32 cache; ONNX prefill keeps GroupQueryAttention, and so do its
-    int8 and float16 caches. Either kernel may be chosen over a float32 cache."""
+    """LiteRT attends in litekv's kernels by default. ONNX does where its decode steps' linears are
+    litekv's (int4) over a float32 cache, and keeps GroupQueryAttention otherwise (its own linears,
+    its int8 and float16 caches). Either kernel may be chosen over a float32 cache."""
     assert ConvertOptions(max_context=64, prefill_lengths=(8,)).attention_kind == "kernel"
     onnx = dict(backend="onnx", max_context=64, prefill_lengths=(8,))
     int4 = ConvertOptions(**onnx, quantize="int4")
-    assert (int4.linears_kind, int4.attention_kind, int4.prefill_attention_kind) == ("kernel", "kernel", "graph")
+    assert (int4.linears_kind, int4.attention_kind, int4.prefill_attention_kind) == ("kernel", "kernel", "kernel")
     for quantize in ("fp32", "int8"):
-        assert ConvertOptions(**onnx, quantize=quantize).attention_kind == "graph"
+        own = ConvertOptions(**onnx, quantize=quantize)
+        assert own.attention_kind == own.prefill_attention_kind == "graph"
     assert ConvertOptions(**onnx, quantize="int4", lora_rank=4).attention_kind == "graph"  # graph linears
     assert ConvertOptions(**onnx, decode_attention="kernel", prefill_attention="kernel").prefill_attention_kind == \
         "kernel"

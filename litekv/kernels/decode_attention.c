@@ -993,21 +993,3 @@ int litekv_attention_head_major(AttentionConfig *cfg, const float *query, const 
     attend_span(st, &job, lo, hi, out);
     return STATUS_OK;
 }
-
-/* A prefill chunk's attention over a float32 cache in ONNX Runtime's head-major layout, keys and
- * values [kv_heads][slots][head_dim], for query rows [tokens][heads * D] (RoPE and scale applied)
- * at slots first..first+tokens-1, whose rows are written: causal, within `window` slots (0: none).
- * For ort_ops.c's PrefillAttention; out [tokens][heads * D]. */
-int litekv_prefill_head_major(AttentionConfig *cfg, const float *query, const float *keys, const float *values,
-                              float *out, int tokens, int heads, int kv_heads, int slots, int head_dim, int first,
-                              int window) {
-    if (tokens <= 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads || heads > cfg->num_heads ||
-        head_dim != cfg->head_dim || slots <= 0 || first < 0 || tokens > slots - first || window < 0)
-        return STATUS_INVALID_ARGUMENT;
-    if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
-    if (slots > ((State *)cfg->state)->max_slots) return STATUS_INVALID_ARGUMENT; /* the scores' scratch */
-    const PrefillJob job = {query, NULL, keys, values, NULL, NULL, out, CACHE_F32, tokens, slots, heads, kv_heads,
-                            head_dim, head_dim, (size_t)slots * head_dim, first, window};
-    if (prefill_tasks(&job) > (int)TICKET_FIELD) return STATUS_INVALID_ARGUMENT;
-    return compute_prefill(cfg->state, &job);
-}

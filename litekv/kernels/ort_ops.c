@@ -22,7 +22,8 @@
  *   "DecodeAttention", "PrefillAttention": attention over a float32 cache in GroupQueryAttention's
  *                 layout, which they replace in the graphs (a step's GroupQueryAttention took 52 us a
  *                 layer at 320 tokens on one thread; litekv's kernels run on two). Decode takes one
- *                 token (litekv's decode kernel), prefill a chunk of T (its prefill kernel).
+ *                 token (litekv's decode kernel, on its helper thread), prefill a chunk of T (its
+ *                 prefill kernel, on ONNX Runtime's pool: KernelContext_ParallelFor).
  *                 query f32 [1, T, H*D], or [1, T, (H + 2 KVH) * D] with q, k and v packed; key and
  *                 value f32 [1, T, KVH*D] (absent when packed); past_key, past_value f32
  *                 [1, KVH, S, D]; seqlens_k int32 [1] (the last token's slot); cos, sin f32
@@ -47,6 +48,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention_common.h"
 #include "linear.h"
 
 #define ORT_API_VERSION_USED 16 /* ONNX Runtime 1.16: CreateKernelV2 / KernelComputeV2 */
@@ -79,6 +81,7 @@ enum {
     SLOT_RELEASE_STATUS = 93,
     SLOT_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99,
     SLOT_RELEASE_CUSTOM_OP_DOMAIN = 101,
+    SLOT_KERNEL_CONTEXT_PARALLEL_FOR = 274, /* ONNX Runtime 1.17 */
 };
 #define API(api, slot, type) ((type)((void *const *)(const void *)(api))[slot])
 
@@ -116,8 +119,6 @@ int litekv_linear_run(void *cfg, int format, const float *x, float *y, const voi
                       const int8_t *offsets, const float *row_scales, int tokens, int in, int out, int block);
 int litekv_attention_head_major(void *cfg, const float *query, const float *keys, const float *values, float *out,
                                 int heads, int kv_heads, int slots, int head_dim, int lo, int hi);
-int litekv_prefill_head_major(void *cfg, const float *query, const float *keys, const float *values, float *out,
-                              int tokens, int heads, int kv_heads, int slots, int head_dim, int first, int window);
 
 /* One op of one registration: ONNX Runtime hands `op` back to every callback, so the rest is ours. */
 typedef struct {
@@ -140,6 +141,7 @@ typedef struct Registration {
     void *domain;
     Scratch rows;   /* a gated linear's rows before the gate, or a step's rotated query */
     Scratch normed; /* a linear's normalized input */
+    Scratch prefill[2]; /* the prefill kernel's scratch of each of its two workers (64-byte aligned) */
 } Registration;
 
 /* One node's kernel: its op and its attributes. */
@@ -324,14 +326,40 @@ static OrtStatus *output(const OrtApi *api, void *context, size_t index, const i
     return API(api, SLOT_GET_TENSOR_MUTABLE_DATA, OrtStatus * (*)(void *, void **))(value, (void **)data);
 }
 
-/* At least `floats` floats of `s`, or NULL if out of memory; under call_lock. */
+/* At least `floats` floats of `s`, 64-byte aligned, or NULL if out of memory; under call_lock. */
 static float *scratch(Scratch *s, size_t floats) {
     if (floats > s->floats) {
         free(s->data);
-        s->data = malloc(sizeof(float) * floats);
+        s->data = aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
         s->floats = s->data ? floats : 0;
     }
     return s->data;
+}
+
+/* A prefill chunk's attention tasks, taken in turn by the workers ONNX Runtime's pool runs. */
+typedef struct {
+    const PrefillJob *job;
+    float *scratch[2];
+    atomic_int next;
+    int count;
+} PrefillWork;
+
+static void prefill_worker(void *data, size_t worker) {
+    PrefillWork *work = data;
+    for (int task; (task = atomic_fetch_add(&work->next, 1)) < work->count;)
+        prefill_task(work->job, task, work->scratch[worker]);
+}
+
+/* The chunk's attention on ONNX Runtime's own threads (its prefill session has two): a helper
+ * thread of litekv's would wait for the core that the pool's worker spins on between nodes. */
+static OrtStatus *prefill_on_pool(const OrtApi *api, void *context, Registration *r, const PrefillJob *job) {
+    const size_t floats = prefill_scratch_floats(job->heads, job->head_dim, job->slots);
+    PrefillWork work = {job, {scratch(&r->prefill[0], floats), scratch(&r->prefill[1], floats)}, 0,
+                        prefill_tasks(job)};
+    if (!work.scratch[0] || !work.scratch[1]) return error(api, ORT_FAIL, "litekv attention: out of memory");
+    return API(api, SLOT_KERNEL_CONTEXT_PARALLEL_FOR,
+               OrtStatus * (*)(const void *, void (*)(void *, size_t), size_t, size_t, void *))(
+        context, prefill_worker, 2, 2, &work);
 }
 
 /* sum = x + skip (skip NULL: x); normed = sum / sqrt(mean(sum^2) + epsilon) * weight, per row of `in`. */
@@ -514,8 +542,12 @@ static OrtStatus *attention_compute(const Kernel *kernel, void *context) {
                                                  (int)kv_heads, (int)slots, (int)head_dim, lo > 0 ? (int)lo : 0,
                                                  (int)last);
         } else {
-            status = litekv_prefill_head_major(op->config, rotated, present_k, present_v, out, (int)tokens, (int)heads,
-                                               (int)kv_heads, (int)slots, (int)head_dim, (int)first, kernel->window);
+            const PrefillJob job = {rotated, NULL, present_k, present_v, NULL, NULL, out, CACHE_F32, (int)tokens,
+                                    (int)slots, (int)heads, (int)kv_heads, (int)head_dim, (int)head_dim,
+                                    slots * head_dim, (int)first, kernel->window};
+            OrtStatus *pooled = prefill_on_pool(api, context, kernel->registration, &job);
+            pthread_mutex_unlock(&call_lock);
+            return pooled;
         }
     }
     pthread_mutex_unlock(&call_lock);
@@ -554,7 +586,7 @@ void litekv_ort_release(void *registration) {
     Registration *r = registration;
     if (!r) return;
     if (r->domain) API(r->api, SLOT_RELEASE_CUSTOM_OP_DOMAIN, void (*)(void *))(r->domain);
-    free(r->rows.data), free(r->normed.data);
+    free(r->rows.data), free(r->normed.data), free(r->prefill[0].data), free(r->prefill[1].data);
     free(r);
 }
 
