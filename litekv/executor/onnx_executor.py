@@ -1,7 +1,8 @@
 """ONNX Runtime executor: IO binding with the KV cache bound in place as past and present.
 
-GroupQueryAttention appends the new rows to the bound past buffer and reads only the valid
-length, so a step costs the live context, not the capacity. Sampling runs in the companion
+GroupQueryAttention (or litekv's DecodeAttention / PrefillAttention, which keep its contract)
+appends the new rows to the bound past buffer and reads only the valid length, so a step costs
+the live context, not the capacity. Sampling runs in the companion
 `sampler.onnx`, fed from the logits buffer through IO binding.
 """
 from __future__ import annotations
