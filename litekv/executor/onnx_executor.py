@@ -115,7 +115,7 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             # pages (packing leftovers and a prefill's embedding rows: 50 MB of the int4 SmolLM2
             # file after a 1,024-token prompt) can be given back like LiteRT's.
             self.model_pages = ModelFilePages(FileMappings(data_file, exclude=mapped_before, seal_unwritten=True))
-        self._run_options = ort.RunOptions()
+        self._run_options, self._chunk_run_options = self._new_run_options()
         self._options_lock = threading.Lock()
         self.manifest = manifest
 
@@ -170,8 +170,9 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             session = self.decode_session if len(tokens) == 1 else self.session
         binding = self._binding(kv_cache, row, session)
         binding.prepare(tokens, start, lora_id, lora or {})
+        run_options = self._run_options if len(tokens) == 1 else self._chunk_run_options
         try:
-            session.run_with_iobinding(binding.io, self._run_options)
+            session.run_with_iobinding(binding.io, run_options)
         except Exception as e:
             if "terminate flag" in str(e):
                 raise Cancelled("onnx call cancelled inside the model run.") from e
@@ -207,12 +208,21 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         self.sampler.run_with_iobinding(io)
         return int(token[0])
 
+    def _new_run_options(self):
+        """(steps', chunks') RunOptions. After a chunk, ONNX Runtime's arena gives back what the
+        chunk's activations took: a 1,024-token int4 prefill then 128 steps peaked at 287 MB
+        instead of 321, at the same prefill speed (seventeenth round). Steps keep their arena."""
+        chunks = self._ort.RunOptions()
+        chunks.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+        return self._ort.RunOptions(), chunks
+
     # ---- cancellation inside a run ----------------------------------------------------------------
     def _interrupt_backend(self) -> None:
         self._run_options.terminate = True
+        self._chunk_run_options.terminate = True
 
     def _reset_backend_cancel(self) -> None:
-        self._run_options = self._ort.RunOptions()  # a terminated RunOptions stays terminated
+        self._run_options, self._chunk_run_options = self._new_run_options()  # terminated ones stay so
 
 
 class _RowBinding:
