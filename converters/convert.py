@@ -144,8 +144,9 @@ class ConvertOptions:
             if kind not in ATTENTION_KINDS:
                 raise ConfigError(f"unknown {flag} attention {kind!r}; choose one of {', '.join(ATTENTION_KINDS)}.")
             if self.backend == "onnx" and kind == "kernel" and not self._onnx_attention_kernel_fits:
-                raise ConfigError(f"--{flag}-attention kernel on ONNX reads a float32 cache (GroupQueryAttention "
-                                  f"keeps the others). Drop --{flag}-attention or --kv-cache.")
+                raise ConfigError(f"--{flag}-attention kernel on ONNX reads a float32 or int8 cache "
+                                  f"(GroupQueryAttention keeps the float16 one). Drop --{flag}-attention or "
+                                  "--kv-cache.")
         if self.decode_linears is not None:
             if self.decode_linears not in ATTENTION_KINDS:
                 raise ConfigError(f"unknown decode linears {self.decode_linears!r}; choose one of "
@@ -182,8 +183,8 @@ class ConvertOptions:
 
     @property
     def _onnx_attention_kernel_fits(self) -> bool:
-        """litekv's ONNX attention ops read GroupQueryAttention's float32 cache, not its others."""
-        return (self.kv_cache or "fp32") == "fp32"
+        """litekv's ONNX attention ops read GroupQueryAttention's float32 and int8 caches, not its float16 one."""
+        return (self.kv_cache or "fp32") in ("fp32", "int8")
 
     def _attention_kind(self, choice: str | None) -> str:
         """What the manifest records for one kind of entry point: "kernel" (litekv's attention op) by
@@ -405,7 +406,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
                         location="model.onnx.data", size_threshold=1024)
         graphs = [("model", model, False)]
         decode_model_file = None
-        if "kernel" in (linears, options.attention_kind):  # decode steps get a graph of their own, over the same weights
+        if "kernel" in (linears, options.attention_kind):  # decode steps get a graph of their own, same weights
             step_model, _ = emit_onnx(cfg, ckpt.weights, plan, None, options.max_context, kv_scales=kv_scales,
                                       kv_dtype=options.kv_dtype, decode_linears=linears, step_graph=True, **attention)
             share_external_data(step_model, str(staging / "model.onnx"))

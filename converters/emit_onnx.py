@@ -6,8 +6,8 @@ Graph contract: inputs `tokens` int32 [1,T], `input_pos` int32 [T], `seqlens_k` 
 position) and `present_key_<i>` / `present_value_<i>`. Attention is com.microsoft
 GroupQueryAttention, which writes the new rows into the past buffer when the caller binds the
 same memory as past and present, and reads only the valid length: decode cost follows the
-live context, not S. Over a float32 cache it may be litekv's DecodeAttention / PrefillAttention
-instead (domain "litekv"), with the same contract and the same cache.
+live context, not S. It may be litekv's DecodeAttention / PrefillAttention instead (domain
+"litekv"; their Int8 forms over the int8 cache), with the same contract and the same cache.
 """
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ class OnnxOps(GraphOps):
                  attention: str = "graph"):
         super().__init__(cfg, weights, plan, sig, lora, tables)
         # "kernel": this graph attends in litekv's op (DecodeAttention in the step graph, else
-        # PrefillAttention) over the float32 cache GroupQueryAttention would read
+        # PrefillAttention; their Int8 forms over an int8 cache) over the cache GroupQueryAttention
+        # would read
         self.attention_kernel = attention == "kernel"
         # litekv's linear ops (domain "litekv"): with "kernel", one-row int4 / int8 projections (the
         # LM head), and in the step graph every int4 one; they read the tensors MatMulNBits reads.
@@ -402,20 +403,29 @@ class OnnxOps(GraphOps):
     def _kernel_attention(self, qkv: list[str], past_k: Sym, past_v: Sym, layer: int, rotary, window: int | None,
                           scale: float, kv_shape: tuple[int, ...]) -> Sym:
         """Attention as litekv's DecodeAttention or PrefillAttention (ort_ops.c): GroupQueryAttention's
-        contract over a float32 cache, on litekv's kernels and their two threads."""
+        contract over a float32 cache or its int8 one (the ops' Int8 forms, with GroupQueryAttention's
+        scale tensors), on litekv's kernels."""
         cfg = self.cfg
-        if self.kv_dtype != "float32":
-            raise ValueError(f"litekv's ONNX attention ops read a float32 cache, not {self.kv_dtype}")
+        int8 = self.kv_dtype == "int8"
+        if self.kv_dtype not in ("float32", "int8"):
+            raise ValueError(f"litekv's ONNX attention ops read a float32 or int8 cache, not {self.kv_dtype}")
         inputs = [*qkv, past_k.ref, past_v.ref, self.seqlens.ref]
-        if rotary is not None:
-            inputs += list(self._rotary_cache(rotary))
+        inputs += list(self._rotary_cache(rotary)) if rotary is not None else ["", ""]
+        if int8:  # one scale per (KV head, channel), as GroupQueryAttention's k_scale / v_scale
+            for kind, scales in zip(("k", "v"), self.kv_scales):
+                name = f"kv_scale_{kind}_{layer}"
+                array = scales[layer].reshape(1, cfg.num_kv_heads, 1, cfg.head_dim).astype(np.float32)
+                self.initializers.append(numpy_helper.from_array(array, name))
+                inputs.append(name)
+        while not inputs[-1]:
+            inputs.pop()
+        op = ("DecodeAttention" if self.step_graph else "PrefillAttention") + ("Int8" if int8 else "")
         out, present_k, present_v = (self._name("attn"), f"present_key_{layer}", f"present_value_{layer}")
         self.nodes.append(helper.make_node(
-            "DecodeAttention" if self.step_graph else "PrefillAttention", inputs, [out, present_k, present_v],
-            domain=KERNEL_DOMAIN, num_heads=cfg.num_heads,
+            op, inputs, [out, present_k, present_v], domain=KERNEL_DOMAIN, num_heads=cfg.num_heads,
             kv_num_heads=cfg.num_kv_heads, scale=float(scale), local_window_size=window if window else -1))
         for name in (present_k, present_v):
-            self.outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, list(kv_shape)))
+            self.outputs.append(helper.make_tensor_value_info(name, _ONNX_DTYPE[self.kv_dtype], list(kv_shape)))
         return Sym(out, (1, T_DIM, cfg.num_heads * cfg.head_dim))
 
     def _half(self, name: str) -> str:

@@ -27,8 +27,8 @@ FORMAT = "litekv-bundle"
 # 9: TFLite one-token steps may run their quantized linears in litekv's custom ops (`decode_linears`).
 # 10: ONNX int4 bundles may run decode steps in a graph of their own (`decode_model_file`) whose int4
 # projections are litekv's ops; their block scales are float16 and their offsets int8 in every ONNX int4 bundle.
-# 11: ONNX bundles with a float32 cache may attend in litekv's ops (`decode_attention`, `prefill_attention`
-# "kernel"), the decode graph then being theirs whatever the linears.
+# 11: ONNX bundles may attend in litekv's ops (`decode_attention`, `prefill_attention` "kernel"; a float32
+# or int8 cache), the decode graph then being theirs whatever the linears.
 VERSION = 11
 READABLE_VERSIONS = (3, 4, 5, 6, 7, 8, 9, 10, 11)
 ATTENTION_KINDS = ("kernel", "graph")
@@ -152,9 +152,9 @@ class Manifest:
         if manifest.decode_model_file and (manifest.backend != "onnx" or not step_kernels):
             raise BundleError(f"{where}: a separate decode graph is for ONNX bundles whose decode steps run litekv's "
                               "kernels; reconvert the model.")
-        if (manifest.backend == "onnx" and manifest.kv_dtype != "float32"
+        if (manifest.backend == "onnx" and manifest.kv_dtype not in ("float32", "int8")
                 and "kernel" in (manifest.decode_attention, manifest.prefill_attention)):
-            raise BundleError(f"{where}: litekv's ONNX attention ops read a float32 cache, and this one is "
+            raise BundleError(f"{where}: litekv's ONNX attention ops read a float32 or int8 cache, and this one is "
                               f"{manifest.kv_dtype}; reconvert the model.")
         return manifest
 

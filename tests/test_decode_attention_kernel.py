@@ -365,8 +365,9 @@ def test_manifest_versions(tmp_path):
         Manifest.from_json(json.dumps({**onnx, "decode_model_file": None}), "no decode graph")
     with pytest.raises(BundleError, match="separate decode graph is for ONNX bundles whose decode steps run"):
         Manifest.from_json(json.dumps({**onnx, "decode_attention": "graph", "decode_linears": "graph"}), "graph ops")
-    with pytest.raises(BundleError, match="attention ops read a float32 cache, and this one is int8"):
-        Manifest.from_json(json.dumps({**onnx, "kv_dtype": "int8"}), "int8 cache")
+    with pytest.raises(BundleError, match="attention ops read a float32 or int8 cache, and this one is float16"):
+        Manifest.from_json(json.dumps({**onnx, "kv_dtype": "float16"}), "float16 cache")
+    assert Manifest.from_json(json.dumps({**onnx, "kv_dtype": "int8"}), "int8").kv_dtype == "int8"  # the Int8 ops
     with pytest.raises(BundleError, match="unknown KV cache dtype 'bfloat16'; reconvert"):
         Manifest.from_json(json.dumps({**data, "kv_dtype": "bfloat16"}), "new")
     six = dict(data)

@@ -69,8 +69,8 @@ def test_bucket_options_are_refused_for_onnx(field):
 
 def test_attention_kinds_and_their_defaults():
     """LiteRT attends in litekv's kernels by default. ONNX does where its decode steps' linears are
-    litekv's (int4) over a float32 cache, and keeps GroupQueryAttention otherwise (its own linears,
-    its int8 and float16 caches). Either kernel may be chosen over a float32 cache."""
+    litekv's (int4) over a float32 or int8 cache, and keeps GroupQueryAttention otherwise (its own
+    linears, its float16 cache). Either kernel may be chosen where it reads the cache."""
     assert ConvertOptions(max_context=64, prefill_lengths=(8,)).attention_kind == "kernel"
     onnx = dict(backend="onnx", max_context=64, prefill_lengths=(8,))
     int4 = ConvertOptions(**onnx, quantize="int4")
@@ -81,11 +81,13 @@ def test_attention_kinds_and_their_defaults():
     assert ConvertOptions(**onnx, quantize="int4", lora_rank=4).attention_kind == "graph"  # graph linears
     assert ConvertOptions(**onnx, decode_attention="kernel", prefill_attention="kernel").prefill_attention_kind == \
         "kernel"
-    for other in (dict(kv_cache="int8"), dict(kv_cache="fp16")):
-        assert ConvertOptions(**onnx, quantize="int4", **other).attention_kind == "graph"
-        for flag in ("decode_attention", "prefill_attention"):
-            with pytest.raises(ConfigError, match="kernel on ONNX reads a float32 cache"):
-                ConvertOptions(**onnx, **other, **{flag: "kernel"})
+    int8 = ConvertOptions(**onnx, quantize="int4", kv_cache="int8")  # GroupQueryAttention's codes and scales
+    assert int8.attention_kind == int8.prefill_attention_kind == "kernel"
+    half = ConvertOptions(**onnx, quantize="int4", kv_cache="fp16")
+    assert half.attention_kind == half.prefill_attention_kind == "graph"
+    for flag in ("decode_attention", "prefill_attention"):
+        with pytest.raises(ConfigError, match="kernel on ONNX reads a float32 or int8 cache"):
+            ConvertOptions(**onnx, kv_cache="fp16", **{flag: "kernel"})
     with pytest.raises(ConfigError, match="unknown decode attention 'fast'"):
         ConvertOptions(max_context=64, prefill_lengths=(8,), decode_attention="fast")
     assert ConvertOptions(max_context=64, prefill_lengths=(8,)).prefill_attention_kind == "kernel"

@@ -4,6 +4,7 @@ float32 cache, against numpy."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
@@ -36,13 +37,20 @@ def attention_model(heads: int, kv_heads: int, slots: int, head_dim: int, packed
     shapes = {"query": [1, "T", width], "key": [1, "T", kv_heads * head_dim], "value": [1, "T", kv_heads * head_dim],
               "past_key": cache, "past_value": cache, "seqlens_k": [1], "cos": [positions, rotary_half or 1],
               "sin": [positions, rotary_half or 1]}
-    inputs = [helper.make_tensor_value_info(n, TensorProto.INT32 if n == "seqlens_k" else TensorProto.FLOAT,
-                                            shapes[n] if shaped else None) for n in names if n]
-    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, "T", heads * head_dim]),
-               helper.make_tensor_value_info("present_key", TensorProto.FLOAT, cache),
-               helper.make_tensor_value_info("present_value", TensorProto.FLOAT, cache)]
-    model = helper.make_model(helper.make_graph([node], "attention", inputs, outputs),
-                              opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(KERNEL_DOMAIN, 1)])
+    types = {n: (TensorProto.INT32 if n == "seqlens_k" else TensorProto.FLOAT, shapes[n] if shaped else None)
+             for n in names if n}
+    return one_node(node, types, heads * head_dim, TensorProto.FLOAT, cache)
+
+
+def one_node(node, inputs: dict, width: int, cache_type: int, cache: list) -> bytes:
+    """A model of one attention node: inputs name -> (type, shape), outputs out [1, T, width] and
+    present_key / present_value of `cache_type` and shape."""
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, "T", width]),
+               helper.make_tensor_value_info("present_key", cache_type, cache),
+               helper.make_tensor_value_info("present_value", cache_type, cache)]
+    graph = helper.make_graph([node], "attention", [helper.make_tensor_value_info(n, *t) for n, t in inputs.items()],
+                              outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(KERNEL_DOMAIN, 1)])
     model.ir_version = 10
     return model.SerializeToString()
 
@@ -201,3 +209,97 @@ def test_calls_outside_the_cache_or_with_disagreeing_shapes_are_refused():
         session(attention_model(heads, kv_heads, slots, head_dim, False, 32, scale=None, positions=slots), kernel)
     with pytest.raises(Exception, match="multiple of kv_num_heads"):
         session(attention_model(heads, 3, slots, head_dim, False, 32, positions=slots), kernel)
+
+
+def int8_model(heads: int, kv_heads: int, slots: int, head_dim: int, rotary_half: int, window: int = -1,
+               op: str = "DecodeAttentionInt8") -> bytes:
+    """One DecodeAttentionInt8 (or PrefillAttentionInt8) node over an int8 cache with per-channel
+    scales, q/k/v packed."""
+    names = ["query", "", "", "past_key", "past_value", "seqlens_k", "cos", "sin", "k_scale", "v_scale"]
+    node = helper.make_node(op, names, ["out", "present_key", "present_value"],
+                            domain=KERNEL_DOMAIN, num_heads=heads, kv_num_heads=kv_heads, local_window_size=window,
+                            scale=0.125)
+    cache, scales = [1, kv_heads, slots, head_dim], [1, kv_heads, 1, head_dim]
+    types = {"query": (TensorProto.FLOAT, [1, "T", (heads + 2 * kv_heads) * head_dim]),
+             "past_key": (TensorProto.INT8, cache), "past_value": (TensorProto.INT8, cache),
+             "seqlens_k": (TensorProto.INT32, [1]), "cos": (TensorProto.FLOAT, [slots, rotary_half]),
+             "sin": (TensorProto.FLOAT, [slots, rotary_half]), "k_scale": (TensorProto.FLOAT, scales),
+             "v_scale": (TensorProto.FLOAT, scales)}
+    return one_node(node, types, heads * head_dim, TensorProto.INT8, cache)
+
+
+@pytest.mark.parametrize("head_dim", [64, 48], ids=["d64", "d48-portable"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("int8_dot", [True, False], ids=["integer dot products", "codes widened to floats"])
+def test_an_int8_step_matches_numpy_on_the_dequantized_cache(head_dim, threads, int8_dot):
+    """The step's rows are quantized with the cache's scales (to the nearest code, saturated), and
+    the query attends to codes x scales: numpy on the dequantized cache. Contexts in one chunk and
+    several, with a window; the integer path (d64 on a CPU with VNNI) within its digits' rounding."""
+    heads, kv_heads, slots, half = 9, 3, 1024, head_dim // 2
+    rng = np.random.default_rng(head_dim + 10 * threads)
+    kernel = AttentionKernel(head_dim, heads, slots, threads=threads, int8_dot=int8_dot)
+    integer = int8_dot and head_dim % 64 == 0 and native_attention.int8_dot_available()
+    for position, window in ((0, -1), (150, -1), (900, -1), (900, 256)):
+        model = session(int8_model(heads, kv_heads, slots, head_dim, half, window), kernel)
+        q, k, v, _, _, cos, sin = operands(rng, heads, kv_heads, slots, head_dim, half)
+        k_scale, v_scale = ((rng.random((1, kv_heads, 1, head_dim)) * 0.02 + 0.01).astype(np.float32) for _ in range(2))
+        past_k, past_v = (rng.integers(-127, 128, (1, kv_heads, slots, head_dim)).astype(np.int8) for _ in range(2))
+        before = past_k.copy()
+        feeds_ = {"query": np.concatenate([q, k, v], axis=1)[None], "past_key": past_k, "past_value": past_v,
+                  "seqlens_k": np.array([position], np.int32), "cos": cos, "sin": sin, "k_scale": k_scale,
+                  "v_scale": v_scale}
+        out, present_k, present_v = model.run(None, feeds_)
+        k_rot = rotate_half(k.reshape(kv_heads, head_dim), cos[position], sin[position])
+        want_k = np.clip(np.rint(k_rot / k_scale[0, :, 0]), -128, 127).astype(np.int8)
+        want_v = np.clip(np.rint(v.reshape(kv_heads, head_dim) / v_scale[0, :, 0]), -128, 127).astype(np.int8)
+        assert np.abs(present_k[0, :, position].astype(int) - want_k).max() <= 1  # x / scale at a .5 may round apart
+        assert np.abs(present_v[0, :, position].astype(int) - want_v).max() <= 1
+        np.testing.assert_array_equal(np.delete(present_k, position, axis=2), np.delete(before, position, axis=2))
+        # the reference attends to what the op wrote, dequantized; RoPE already in the cache's keys
+        keys = present_k.astype(np.float32) * k_scale
+        values = present_v.astype(np.float32) * v_scale
+        q_rot = rotate_half(q.reshape(heads, head_dim), cos[position], sin[position]).reshape(1, -1)
+        want, _, _ = numpy_step(q_rot, keys[0, :, position].reshape(1, -1), values[0, :, position].reshape(1, -1),
+                                keys, values, position, None, None, window, 0.125)
+        atol = 2e-3 * 127 * float(v_scale.max()) if integer else 2e-5  # as test_decode_attention_kernel's
+        np.testing.assert_allclose(out[0], want, rtol=2e-4, atol=atol)
+
+
+def test_int8_scales_of_the_wrong_size_are_refused():
+    kernel = AttentionKernel(64, 4, 64, threads=1)
+    model = onnx.load_from_string(int8_model(4, 2, 64, 64, 32))
+    for value in model.graph.input:  # no declared shapes: the op's own check
+        value.type.tensor_type.ClearField("shape")
+    rng = np.random.default_rng(8)
+    q, k, v, _, _, cos, sin = operands(rng, 4, 2, 64, 64, 32)
+    feeds_ = {"query": np.concatenate([q, k, v], axis=1)[None], "past_key": np.zeros((1, 2, 64, 64), np.int8),
+              "past_value": np.zeros((1, 2, 64, 64), np.int8), "seqlens_k": np.array([3], np.int32), "cos": cos,
+              "sin": sin, "k_scale": np.ones((1, 2, 1, 32), np.float32), "v_scale": np.ones((1, 2, 1, 64), np.float32)}
+    with pytest.raises(Exception, match="int8 scales"):
+        session(model.SerializeToString(), kernel).run(None, feeds_)
+
+
+@pytest.mark.parametrize("tokens, position, window", [(7, 6, -1), (100, 99, -1), (64, 300, -1), (100, 400, 40)])
+def test_an_int8_prefill_chunk_matches_numpy_on_the_dequantized_cache(tokens, position, window):
+    """PrefillAttentionInt8: the chunk's rows quantized with the cache's scales, each token attending
+    causally (and in its window) to codes x scales, the chunk's own rows as the op wrote them."""
+    heads, kv_heads, slots, head_dim, half = 9, 3, 512, 64, 32
+    rng = np.random.default_rng(tokens + position)
+    kernel = AttentionKernel(head_dim, heads, slots, threads=2)
+    model = session(int8_model(heads, kv_heads, slots, head_dim, half, window, op="PrefillAttentionInt8"), kernel)
+    q, k, v, _, _, cos, sin = operands(rng, heads, kv_heads, slots, head_dim, half, tokens)
+    k_scale, v_scale = ((rng.random((1, kv_heads, 1, head_dim)) * 0.02 + 0.01).astype(np.float32) for _ in range(2))
+    past_k, past_v = (rng.integers(-127, 128, (1, kv_heads, slots, head_dim)).astype(np.int8) for _ in range(2))
+    out, present_k, present_v = model.run(None, {
+        "query": np.concatenate([q, k, v], axis=1)[None], "past_key": past_k, "past_value": past_v,
+        "seqlens_k": np.array([position], np.int32), "cos": cos, "sin": sin, "k_scale": k_scale, "v_scale": v_scale})
+    first = position - tokens + 1
+    at = slice(first, position + 1)
+    k_rot = rotate_half(k.reshape(tokens, kv_heads, head_dim), cos[at, None], sin[at, None])
+    want_k = np.clip(np.rint(k_rot / k_scale[0, :, 0]), -128, 127)
+    assert np.abs(present_k[0, :, at].transpose(1, 0, 2) - want_k).max() <= 1
+    keys, values = present_k.astype(np.float32) * k_scale, present_v.astype(np.float32) * v_scale
+    q_rot = rotate_half(q.reshape(tokens, heads, head_dim), cos[at, None], sin[at, None]).reshape(tokens, -1)
+    rows = lambda cache: cache[0, :, at].transpose(1, 0, 2).reshape(tokens, -1)
+    want, _, _ = numpy_step(q_rot, rows(keys), rows(values), keys, values, position, None, None, window, 0.125)
+    np.testing.assert_allclose(out[0], want, rtol=2e-4, atol=2e-5)

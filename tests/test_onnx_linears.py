@@ -211,6 +211,35 @@ def test_steps_follow_the_graph_bundle(arch):
     np.testing.assert_allclose(a.key_cache(1)[:, :, :14], b.key_cache(1)[:, :, :14], rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_int8_cache_prefill_and_steps_follow_group_query_attention(arch):
+    """An int8 cache through litekv's Int8 attention ops (the default with litekv's linears) and
+    through GroupQueryAttention: the first layer's codes (the same K, quantized alike but at a .5)
+    and the steps' logits agree to the rows' rounding."""
+    def converted(kind: str) -> Path:
+        options = ConvertOptions(backend="onnx", quantize="int4", max_context=64, prefill_lengths=PREFILL_LENGTHS,
+                                 kv_cache="int8", decode_attention=kind, prefill_attention=kind)
+        return convert(checkpoint_dir(arch), _ROOT / f"{arch}-onnx-int4-kvint8-{kind}-attention", options)
+
+    ours, theirs = open_executor(converted("kernel")), open_executor(converted("graph"))
+    assert ours.manifest.decode_attention == ours.manifest.prefill_attention == "kernel"
+    layers = ours.config.num_layers
+    assert op_types(converted("kernel") / "model_decode.onnx")["DecodeAttentionInt8"] == layers
+    assert op_types(converted("kernel") / "model.onnx")["PrefillAttentionInt8"] == layers
+    prompt = np.random.default_rng(5).integers(3, ours.config.vocab_size, 9)
+    a, b = ours.create_kv_cache(), theirs.create_kv_cache()
+    assert a.dtype == np.int8
+    ours.prefill(prompt[:-1], a)
+    theirs.prefill(prompt[:-1], b)
+    token = prompt[-1]
+    for _ in range(6):
+        mine, graph = ours.step([token], a), theirs.step([token], b)
+        assert relative_error(mine, graph) < 0.05
+        token = int(np.argmax(graph))
+    assert a.num_tokens == 14
+    assert np.abs(a.key_cache(0).astype(int) - b.key_cache(0)).max() <= 1  # [batch, tokens, KV heads, D]
+
+
 def op_types(path: Path) -> dict[str, int]:
     model = onnx.load(path, load_external_data=False)
     counts: dict[str, int] = {}

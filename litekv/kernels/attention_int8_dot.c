@@ -94,7 +94,7 @@ TARGET static inline __attribute__((always_inline)) void score_block(const Job *
                                                                      int rows, int kv, int group, const Digits *q,
                                                                      int chunks, float *top) {
     const int d = job->head_dim, row = job->row;
-    const int8_t *keys = (const int8_t *)job->keys + kv * d;
+    const int8_t *keys = (const int8_t *)job->keys + (size_t)kv * job->head_stride;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512i col[4][BLOCK];
     for (int c = 0; c < chunks; c++) {
@@ -138,9 +138,13 @@ TARGET static void scores(const Job *job, const Part *part, const Digits *q, flo
     const int row = job->row, n = part->hi - part->lo + 1, group = job->heads / job->kv_heads;
     for (int i0 = 0; i0 < n; i0 += BLOCK) {
         const int rows = n - i0 < BLOCK ? n - i0 : BLOCK, s0 = part->lo + i0;
-        /* the rows PREFETCH_ROWS on, all KV heads: one contiguous span */
-        const char *ahead = (const char *)job->keys + (size_t)(s0 + PREFETCH_ROWS) * row;
-        for (int b = 0; b < BLOCK * row; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
+        /* the rows PREFETCH_ROWS on, all KV heads: one contiguous span, or one per KV head in a
+         * head-major cache ([KVH][S][D], Job.head_stride) */
+        const int spans = job->head_stride == (size_t)job->head_dim ? 1 : job->kv_heads;
+        for (int kv = 0; kv < spans; kv++) {
+            const char *ahead = (const char *)job->keys + (size_t)kv * job->head_stride + (size_t)(s0 + PREFETCH_ROWS) * row;
+            for (int b = 0; b < BLOCK * row; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
+        }
         for (int kv = 0; kv < job->kv_heads; kv++) switch (job->head_dim / 64) {
             case 1: score_block(job, part, s0, rows, kv, group, q, 1, top); break;
             case 2: score_block(job, part, s0, rows, kv, group, q, 2, top); break;
@@ -175,7 +179,7 @@ TARGET static inline __attribute__((always_inline)) void flush(float *acc, int d
  * c..c+63, two slots at a time. gb is a constant after inlining, so the sums stay in registers. */
 TARGET static inline __attribute__((always_inline)) void values(const Job *job, Part *part, int kv, int h0, int gb, int c) {
     const int d = job->head_dim, row = job->row, n = part->hi - part->lo + 1;
-    const int8_t *base = (const int8_t *)job->values + (size_t)part->lo * row + kv * d + c;
+    const int8_t *base = (const int8_t *)job->values + (size_t)part->lo * row + (size_t)kv * job->head_stride + c;
     __m512i sums[VALUE_HEADS][4];
 #pragma GCC unroll 16
     for (int g = 0; g < VALUE_HEADS; g++)

@@ -186,6 +186,20 @@ INLINE void prefetch_slice(const char *base, size_t row_bytes, int s0, int rows,
     for (size_t line = from; line < to; line++) __builtin_prefetch(first + 64 * line, 0, PREFETCH_LOCALITY);
 }
 
+/* Rows s0..s0+rows-1 of an int8 or float16 cache widened to floats in `buffer`: [rows][row] for a
+ * [S][KVH * D] cache, [KVH][BLOCK][D] for a head-major one (each KV head's rows are contiguous). */
+INLINE void widen_rows(const Job *job, float *restrict buffer, const void *cache, size_t element_bytes, int s0, int rows,
+                       bool interleaved) {
+    const size_t row = (size_t)job->row;
+    if (interleaved) {
+        widen(buffer, cache, element_bytes, (size_t)s0 * row, (size_t)rows * row);
+        return;
+    }
+    for (int kv = 0; kv < job->kv_heads; kv++)
+        widen(buffer + (size_t)kv * BLOCK * row, cache, element_bytes, (size_t)kv * job->head_stride + (size_t)s0 * row,
+              (size_t)rows * row);
+}
+
 /* Scores, softmax numerators and weighted values of slots part->lo..hi for every head, head_dim =
  * 16 * C, cache elements of type T (float; int8_t codes or float16 bits widened a block of rows at a
  * time into an L1 buffer). Slots go in blocks of 16: each head's 16 dot products end in one reduction tree,
@@ -193,7 +207,7 @@ INLINE void prefetch_slice(const char *base, size_t row_bytes, int s0, int rows,
  * read. Prefetching runs the same bytes ahead for any T, spread over the passes. */
 #define ROWS_AS_FLOAT(cache, scales, s0, rows, buffer)                                                 \
     (sizeof(*(cache)) < sizeof(float)                                                                  \
-         ? (widen(buffer, cache, sizeof(*(cache)), (size_t)(s0) * row, (size_t)(rows) * row),          \
+         ? (widen_rows(job, buffer, cache, sizeof(*(cache)), s0, rows, interleaved),                   \
             scale_rows(job, buffer, scales, s0, rows), (const float *)(buffer))                        \
          : (const float *)(const void *)(cache) + (size_t)(s0) * row)
 #define DEFINE_PART(NAME, C, GB, T)                                                                    \
@@ -205,7 +219,9 @@ INLINE void prefetch_slice(const char *base, size_t row_bytes, int s0, int rows,
         const T *keys = job->keys, *values = job->values;                                              \
         /* a head-major cache: each KV head's rows are prefetched on their own */                      \
         const bool interleaved = job->head_stride == (size_t)job->head_dim;                            \
-        float widened[sizeof(T) < sizeof(float) ? BLOCK * row : 1];                                    \
+        float widened[sizeof(T) < sizeof(float) ? BLOCK * job->kv_heads * job->head_dim : 1];          \
+        /* from one KV head's row to the next in `block`: widened head-major rows are [KVH][BLOCK][D] */ \
+        const size_t bhead = sizeof(T) < sizeof(float) && !interleaved ? (size_t)BLOCK * row : job->head_stride; \
         for (int i0 = 0; i0 < n; i0 += BLOCK) {                                                        \
             const int rows = n - i0 < BLOCK ? n - i0 : BLOCK, s0 = part->lo + i0;                      \
             const float *block = ROWS_AS_FLOAT(keys, job->key_scales, s0, rows, widened);              \
@@ -220,7 +236,7 @@ INLINE void prefetch_slice(const char *base, size_t row_bytes, int s0, int rows,
                     const float *q = job->query + (size_t)h * 16 * C;                                  \
                     v16 a[BLOCK];                                                                      \
                     _Pragma("GCC unroll 16") for (int r = 0; r < BLOCK; r++) {                         \
-                        const float *k = block + (size_t)(r < rows ? r : 0) * row + (size_t)kv * job->head_stride; \
+                        const float *k = block + (size_t)(r < rows ? r : 0) * row + (size_t)kv * bhead;   \
                         a[r] = load16(q) * load16(k);                                                  \
                         _Pragma("GCC unroll 16") for (int c = 1; c < C; c++) a[r] += load16(q + 16 * c) * load16(k + 16 * c); \
                     }                                                                                  \
@@ -249,7 +265,7 @@ INLINE void prefetch_slice(const char *base, size_t row_bytes, int s0, int rows,
                         else                                                                           \
                             prefetch_slice((const char *)(values + (size_t)kv * job->head_stride), sizeof(T) * row, \
                                            s0, rows, ahead, g0 / GB * rows + r, passes * rows);        \
-                        const float *v = block + (size_t)r * row + (size_t)kv * job->head_stride;              \
+                        const float *v = block + (size_t)r * row + (size_t)kv * bhead;                 \
                         v16 value[C];                                                                  \
                         _Pragma("GCC unroll 16") for (int c = 0; c < C; c++) value[c] = load16(v + 16 * c); \
                         _Pragma("GCC unroll 16") for (int g = 0; g < GB; g++) {                        \
@@ -976,20 +992,24 @@ int litekv_prefill_attention_run(AttentionConfig *cfg, const float *query, const
     return status == STATUS_OK ? compute_prefill(cfg->state, &job) : status;
 }
 
-/* One decode step's attention over a float32 cache in ONNX Runtime's head-major layout, keys and
- * values [kv_heads][slots][head_dim] (the registration's), for query rows [heads][D] (RoPE and
- * scale applied), attending to slots lo..hi: out [heads][D]. For ort_ops.c's DecodeAttention, which has written the step's row. */
-int litekv_attention_head_major(AttentionConfig *cfg, const float *query, const float *keys, const float *values,
-                                float *out, int heads, int kv_heads, int slots, int head_dim, int lo, int hi) {
+/* One decode step's attention over a cache in ONNX Runtime's head-major layout, keys and values
+ * [kv_heads][slots][head_dim] (the registration's) of CACHE_F32 floats or CACHE_I8 codes (their
+ * static scales folded into the query and the output by the caller), for query rows [heads][D]
+ * (RoPE and scale applied), attending to slots lo..hi: out [heads][D]. For ort_ops.c's decode
+ * attention ops, which have written the step's row. */
+int litekv_attention_head_major(AttentionConfig *cfg, const float *query, const void *keys, const void *values,
+                                float *out, int heads, int kv_heads, int slots, int head_dim, int lo, int hi,
+                                int cache_type) {
     if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || heads > cfg->num_heads || head_dim != cfg->head_dim ||
-        slots <= 0 || lo < 0 || hi < lo || hi >= slots)
+        slots <= 0 || lo < 0 || hi < lo || hi >= slots || (cache_type != CACHE_F32 && cache_type != CACHE_I8))
         return STATUS_INVALID_ARGUMENT;
     if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
     State *st = cfg->state;
     if (slots > st->max_slots) return STATUS_INVALID_ARGUMENT; /* the scores' scratch and the zero mask */
     const int d = cfg->head_dim;
-    Job job = {query, st->zero_mask, keys, values, NULL, NULL, slots, CACHE_F32, 0, heads, kv_heads, d, d,
-               st->scores, st->max_slots, NULL, (size_t)slots * d};
+    Job job = {query, st->zero_mask, keys, values, NULL, NULL, slots, cache_type,
+               cache_type == CACHE_I8 && st->int8_dot, heads, kv_heads, d, d, st->scores, st->max_slots, NULL,
+               (size_t)slots * d};
     attend_span(st, &job, lo, hi, out);
     return STATUS_OK;
 }

@@ -34,6 +34,12 @@
  *                 seqlens_k, and the token at slot p attends to slots p - window + 1 .. p. Bound to
  *                 the same buffer as past (as GroupQueryAttention's are), present is written in
  *                 place; otherwise past is copied into it first.
+ *   "DecodeAttentionInt8", "PrefillAttentionInt8": the same over GroupQueryAttention's int8 cache:
+ *                 past and present int8 codes, then two more inputs, k_scale and v_scale f32
+ *                 [1, KVH, 1, D] (a static scale per KV head and channel). New rows are quantized as
+ *                 they are written; the keys' scales are folded into the query and the values' into
+ *                 the output, so the kernels read the codes as they are (a quarter of a float32
+ *                 cache's bytes).
  *
  * The library is the one Python loads with ctypes: litekv_ort_prepare() names the AttentionConfig
  * the next registration uses, then SessionOptions.register_custom_ops_library(path) calls
@@ -88,7 +94,15 @@ enum {
 enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2, ORT_RUNTIME_EXCEPTION = 6 };
 enum { TYPE_FLOAT = 1, TYPE_UINT8 = 2, TYPE_INT8 = 3, TYPE_INT32 = 6, TYPE_FLOAT16 = 10 };
 enum { REQUIRED = 0, OPTIONAL = 1 }; /* OrtCustomOpInputOutputCharacteristic */
-enum { KIND_LINEAR_INT4, KIND_LINEAR_INT8, KIND_DECODE_ATTENTION, KIND_PREFILL_ATTENTION };
+enum {
+    KIND_LINEAR_INT4,
+    KIND_LINEAR_INT8,
+    KIND_DECODE_ATTENTION,
+    KIND_PREFILL_ATTENTION,
+    KIND_DECODE_ATTENTION_INT8,
+    KIND_PREFILL_ATTENTION_INT8,
+    KINDS
+};
 enum { GATE_NONE = 0, GATE_SILU = LINEAR_GATE_SILU, GATE_GELU_TANH = LINEAR_GATE_GELU_TANH }; /* emit_onnx.GATES */
 
 /* OrtCustomOp, as far as version 16 reads it. */
@@ -117,8 +131,8 @@ typedef struct CustomOp {
 
 int litekv_linear_run(void *cfg, int format, const float *x, float *y, const void *codes, const uint16_t *block_scales,
                       const int8_t *offsets, const float *row_scales, int tokens, int in, int out, int block);
-int litekv_attention_head_major(void *cfg, const float *query, const float *keys, const float *values, float *out,
-                                int heads, int kv_heads, int slots, int head_dim, int lo, int hi);
+int litekv_attention_head_major(void *cfg, const float *query, const void *keys, const void *values, float *out,
+                                int heads, int kv_heads, int slots, int head_dim, int lo, int hi, int cache_type);
 
 /* One op of one registration: ONNX Runtime hands `op` back to every callback, so the rest is ours. */
 typedef struct {
@@ -136,7 +150,7 @@ typedef struct {
 } Scratch;
 
 typedef struct Registration {
-    Op int4, int8, decode_attention, prefill_attention;
+    Op ops[KINDS]; /* by kind */
     const OrtApi *api;
     void *domain;
     Scratch rows;   /* a gated linear's rows before the gate, or a step's rotated query */
@@ -174,7 +188,8 @@ static OrtStatus *error(const OrtApi *api, int code, const char *message) {
 static int kind_of(const CustomOp *op) { return ((const Op *)(const void *)op)->kind; }
 
 static const char *op_name(const CustomOp *op) {
-    static const char *const names[] = {"LinearInt4", "LinearInt8", "DecodeAttention", "PrefillAttention"};
+    static const char *const names[] = {"LinearInt4",       "LinearInt8",          "DecodeAttention",
+                                        "PrefillAttention", "DecodeAttentionInt8", "PrefillAttentionInt8"};
     return names[kind_of(op)];
 }
 
@@ -184,15 +199,20 @@ static const char *op_provider(const CustomOp *op) {
 }
 
 /* x, the weights, then the norm's skip and weight */
-static const int linear_int4_inputs[] = {TYPE_FLOAT, TYPE_UINT8, TYPE_FLOAT16, TYPE_INT8, TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT};
+static const int linear_int4_inputs[] = {TYPE_FLOAT, TYPE_UINT8, TYPE_FLOAT16, TYPE_INT8,
+                                         TYPE_FLOAT, TYPE_FLOAT,  TYPE_FLOAT};
 static const int linear_int8_inputs[] = {TYPE_FLOAT, TYPE_INT8, TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT};
 /* query, key, value, past_key, past_value, seqlens_k, cos, sin */
 static const int attention_inputs[] = {TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT,
                                        TYPE_FLOAT, TYPE_INT32, TYPE_FLOAT, TYPE_FLOAT};
-enum { ATTN_QUERY, ATTN_KEY, ATTN_VALUE, ATTN_PAST_KEY, ATTN_PAST_VALUE, ATTN_SEQLENS, ATTN_COS, ATTN_SIN };
+/* ... an int8 cache's codes, then its static scales per KV head and channel [1, KVH, 1, D] */
+static const int attention_int8_inputs[] = {TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT, TYPE_INT8, TYPE_INT8,
+                                            TYPE_INT32, TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT};
+enum { ATTN_QUERY, ATTN_KEY, ATTN_VALUE, ATTN_PAST_KEY, ATTN_PAST_VALUE, ATTN_SEQLENS, ATTN_COS, ATTN_SIN,
+       ATTN_K_SCALE, ATTN_V_SCALE };
 
 static size_t op_input_count(const CustomOp *op) {
-    static const size_t counts[] = {7, 5, 8, 8};
+    static const size_t counts[] = {7, 5, 8, 8, 10, 10};
     return counts[kind_of(op)];
 }
 
@@ -200,18 +220,23 @@ static size_t op_input_count(const CustomOp *op) {
 static size_t linear_weight_inputs(int kind) { return kind == KIND_LINEAR_INT8 ? 3 : 5; }
 
 static int op_input_type(const CustomOp *op, size_t index) {
-    static const int *const types[] = {linear_int4_inputs, linear_int8_inputs, attention_inputs, attention_inputs};
+    static const int *const types[] = {linear_int4_inputs, linear_int8_inputs,    attention_inputs,
+                                       attention_inputs,   attention_int8_inputs, attention_int8_inputs};
     return index < op_input_count(op) ? types[kind_of(op)][index] : 0;
 }
 
-static int is_attention(int kind) { return kind == KIND_DECODE_ATTENTION || kind == KIND_PREFILL_ATTENTION; }
+static int is_int8_attention(int kind) {
+    return kind == KIND_DECODE_ATTENTION_INT8 || kind == KIND_PREFILL_ATTENTION_INT8;
+}
+
+static int is_attention(int kind) {
+    return kind == KIND_DECODE_ATTENTION || kind == KIND_PREFILL_ATTENTION || is_int8_attention(kind);
+}
 
 static size_t op_output_count(const CustomOp *op) { return is_attention(kind_of(op)) ? 3 : 2; }
 
 static int op_output_type(const CustomOp *op, size_t index) {
-    (void)op;
-    (void)index;
-    return TYPE_FLOAT;
+    return is_int8_attention(kind_of(op)) && index > 0 ? TYPE_INT8 : TYPE_FLOAT; /* present codes */
 }
 
 static int op_input_characteristic(const CustomOp *op, size_t index) {
@@ -319,7 +344,8 @@ static OrtStatus *input(const OrtApi *api, void *context, size_t index, int type
 }
 
 /* Output `index`, of shape dims[rank], made (or, bound by the caller, found) by ONNX Runtime. */
-static OrtStatus *output(const OrtApi *api, void *context, size_t index, const int64_t *dims, size_t rank, float **data) {
+static OrtStatus *output(const OrtApi *api, void *context, size_t index, const int64_t *dims, size_t rank,
+                         float **data) {
     void *value = NULL;
     CHECK(API(api, SLOT_KERNEL_CONTEXT_GET_OUTPUT, OrtStatus * (*)(void *, size_t, const int64_t *, size_t, void **))(
         context, index, dims, rank, &value));
@@ -439,6 +465,24 @@ static OrtStatus *linear_compute(const Kernel *kernel, void *context) {
 }
 
 /* out = x * cos + rotate_half(x) * sin over the first 2 * half elements of a head; the rest copied. */
+/* codes = x / scale, rounded to the nearest and saturated, as GroupQueryAttention writes an int8 cache. */
+static void quantize(const float *x, const float *scale, int8_t *codes, size_t count) {
+    for (size_t i = 0; i < count; i++) {
+        const float q = nearbyintf(x[i] / scale[i]);
+        codes[i] = (int8_t)(q > 127.0f ? 127.0f : q < -128.0f ? -128.0f : q);
+    }
+}
+
+/* The values' static scales on the output [tokens][heads][head_dim] (head h reads KV head h / group):
+ * the kernel weighed the codes. */
+static void unscale_values(float *out, const float *scales, size_t tokens, size_t heads, size_t group,
+                           size_t head_dim) {
+    for (size_t r = 0; r < tokens * heads; r++) {
+        const float *s = scales + r % heads / group * head_dim;
+        for (size_t i = 0; i < head_dim; i++) out[r * head_dim + i] *= s[i];
+    }
+}
+
 static void rotate(const float *restrict x, const float *restrict cos, const float *restrict sin, float *restrict out,
                    int half, int head_dim) {
     for (int i = 0; i < half; i++) {
@@ -451,20 +495,27 @@ static void rotate(const float *restrict x, const float *restrict cos, const flo
 static OrtStatus *attention_compute(const Kernel *kernel, void *context) {
     const Op *op = kernel->op;
     const OrtApi *api = op->api;
-    const int prefill = op->kind == KIND_PREFILL_ATTENTION;
+    const int prefill = op->kind == KIND_PREFILL_ATTENTION || op->kind == KIND_PREFILL_ATTENTION_INT8;
+    const int int8 = is_int8_attention(op->kind);
+    const int cache_type = int8 ? TYPE_INT8 : TYPE_FLOAT;
+    const size_t element = int8 ? 1 : sizeof(float);
     size_t inputs = 0;
     CHECK(API(api, SLOT_KERNEL_CONTEXT_GET_INPUT_COUNT, OrtStatus * (*)(const void *, size_t *))(context, &inputs));
-    if (inputs < ATTN_SEQLENS + 1 || inputs > ATTN_SIN + 1)
+    if (int8 ? inputs != ATTN_V_SCALE + 1 : inputs < ATTN_SEQLENS + 1 || inputs > ATTN_SIN + 1)
         return error(api, ORT_INVALID_ARGUMENT, "litekv attention: wrong number of inputs");
-    Tensor q, k, v, past_k, past_v, seqlens, cos = {0}, sin = {0};
+    Tensor q, k, v, past_k, past_v, seqlens, cos = {0}, sin = {0}, k_scale = {0}, v_scale = {0};
     CHECK(input(api, context, ATTN_QUERY, TYPE_FLOAT, &q));
     CHECK(read_input(api, context, ATTN_KEY, TYPE_FLOAT, 1, &k));
     CHECK(read_input(api, context, ATTN_VALUE, TYPE_FLOAT, 1, &v));
-    CHECK(input(api, context, ATTN_PAST_KEY, TYPE_FLOAT, &past_k));
-    CHECK(input(api, context, ATTN_PAST_VALUE, TYPE_FLOAT, &past_v));
+    CHECK(input(api, context, ATTN_PAST_KEY, cache_type, &past_k));
+    CHECK(input(api, context, ATTN_PAST_VALUE, cache_type, &past_v));
     CHECK(input(api, context, ATTN_SEQLENS, TYPE_INT32, &seqlens));
     if (inputs > ATTN_COS) CHECK(read_input(api, context, ATTN_COS, TYPE_FLOAT, 1, &cos));
     if (inputs > ATTN_SIN) CHECK(read_input(api, context, ATTN_SIN, TYPE_FLOAT, 1, &sin));
+    if (int8) {
+        CHECK(input(api, context, ATTN_K_SCALE, TYPE_FLOAT, &k_scale));
+        CHECK(input(api, context, ATTN_V_SCALE, TYPE_FLOAT, &v_scale));
+    }
     const size_t heads = (size_t)kernel->heads, kv_heads = (size_t)kernel->kv_heads;
     const int packed = !k.data;
     /* Every size checked against the others, so nothing is read or written past a buffer. */
@@ -478,7 +529,8 @@ static OrtStatus *attention_compute(const Kernel *kernel, void *context) {
     agree = agree && tokens > 0 && (prefill || tokens == 1) && !k.data == !v.data &&
             q.dims[q.rank - 1] == (int64_t)width && (packed || (k.count == tokens * kv_width &&
                                                                 v.count == tokens * kv_width)) &&
-            seqlens.count == 1 && !cos.data == !sin.data;
+            seqlens.count == 1 && !cos.data == !sin.data &&
+            (!int8 || (k_scale.count == kv_width && v_scale.count == kv_width));
     const int rotary = cos.data != NULL;
     size_t half = 0;
     if (agree && rotary) {
@@ -490,7 +542,8 @@ static OrtStatus *attention_compute(const Kernel *kernel, void *context) {
         return error(api, ORT_INVALID_ARGUMENT,
                      "litekv attention: the input shapes disagree (query [1, T, H*D] or packed [1, T, (H + 2 KVH) * "
                      "D] without key and value, key and value [1, T, KVH*D], T = 1 for DecodeAttention, past_key and "
-                     "past_value [1, KVH, S, D], seqlens_k [1], cos and sin [P, R/2] with R <= D, both or neither)");
+                     "past_value [1, KVH, S, D], seqlens_k [1], cos and sin [P, R/2] with R <= D, both or neither; "
+                     "int8 scales [1, KVH, 1, D])");
     /* seqlens_k is the last token's slot: the chunk sits right after the cache's tokens */
     const int64_t last = ((const int32_t *)seqlens.data)[0], first = last - (int64_t)tokens + 1;
     if (first < 0 || last >= (int64_t)slots || (rotary && last >= cos.dims[0]))
@@ -499,14 +552,17 @@ static OrtStatus *attention_compute(const Kernel *kernel, void *context) {
     int64_t out_dims[MAX_RANK];
     for (size_t i = 0; i < q.rank; i++) out_dims[i] = q.dims[i];
     out_dims[q.rank - 1] = (int64_t)q_width;
-    float *out = NULL, *present_k = NULL, *present_v = NULL;
+    float *out = NULL;
+    void *present_k = NULL, *present_v = NULL;
     CHECK(output(api, context, 0, out_dims, q.rank, &out));
-    CHECK(output(api, context, 1, past_k.dims, 4, &present_k));
-    CHECK(output(api, context, 2, past_v.dims, 4, &present_v));
+    CHECK(output(api, context, 1, past_k.dims, 4, (float **)&present_k));
+    CHECK(output(api, context, 2, past_v.dims, 4, (float **)&present_v));
     /* present bound apart from past: it starts as a copy (bound together, as litekv binds them,
      * nothing is copied) */
-    if (present_k != past_k.data) memcpy(present_k, past_k.data, sizeof(float) * past_k.count);
-    if (present_v != past_v.data) memcpy(present_v, past_v.data, sizeof(float) * past_v.count);
+    if (present_k != past_k.data) memcpy(present_k, past_k.data, element * past_k.count);
+    if (present_v != past_v.data) memcpy(present_v, past_v.data, element * past_v.count);
+    const float *ks = k_scale.data, *vs = v_scale.data;
+    const size_t group = heads / kv_heads;
     const size_t key_at = packed ? q_width : 0, value_at = packed ? q_width + kv_width : 0;
     const size_t q_stride = width, kv_stride = packed ? width : kv_width; /* floats from a token's row to the next */
     const float *keys = packed ? q.data : k.data, *values = packed ? q.data : v.data;
@@ -526,26 +582,37 @@ static OrtStatus *attention_compute(const Kernel *kernel, void *context) {
                 else
                     memcpy(row, from, sizeof(float) * head_dim);
                 for (size_t i = 0; i < head_dim; i++) row[i] *= kernel->scale;
+                if (int8) /* the keys' scales, folded into the query: the kernel reads the codes */
+                    for (size_t i = 0; i < head_dim; i++) row[i] *= ks[h / group * head_dim + i];
             }
             for (size_t kv = 0; kv < kv_heads; kv++) {
                 const size_t at = (kv * slots + slot) * head_dim, from = t * kv_stride + kv * head_dim;
+                float key[head_dim];
                 if (rotary)
-                    rotate(keys + key_at + from, cos_row, sin_row, present_k + at, (int)half, (int)head_dim);
+                    rotate(keys + key_at + from, cos_row, sin_row, key, (int)half, (int)head_dim);
                 else
-                    memcpy(present_k + at, keys + key_at + from, sizeof(float) * head_dim);
-                memcpy(present_v + at, values + value_at + from, sizeof(float) * head_dim);
+                    memcpy(key, keys + key_at + from, sizeof(float) * head_dim);
+                if (int8) {
+                    quantize(key, ks + kv * head_dim, (int8_t *)present_k + at, head_dim);
+                    quantize(values + value_at + from, vs + kv * head_dim, (int8_t *)present_v + at, head_dim);
+                } else {
+                    memcpy((float *)present_k + at, key, sizeof(float) * head_dim);
+                    memcpy((float *)present_v + at, values + value_at + from, sizeof(float) * head_dim);
+                }
             }
         }
         if (tokens == 1) {
             const int64_t lo = kernel->window ? last - kernel->window + 1 : 0;
             status = litekv_attention_head_major(op->config, rotated, present_k, present_v, out, (int)heads,
                                                  (int)kv_heads, (int)slots, (int)head_dim, lo > 0 ? (int)lo : 0,
-                                                 (int)last);
+                                                 (int)last, int8 ? CACHE_I8 : CACHE_F32);
+            if (int8 && status == 0) unscale_values(out, vs, 1, heads, group, head_dim);
         } else {
-            const PrefillJob job = {rotated, NULL, present_k, present_v, NULL, NULL, out, CACHE_F32, (int)tokens,
-                                    (int)slots, (int)heads, (int)kv_heads, (int)head_dim, (int)head_dim,
-                                    slots * head_dim, (int)first, kernel->window};
+            const PrefillJob job = {rotated, NULL, present_k, present_v, NULL, NULL, out, int8 ? CACHE_I8 : CACHE_F32,
+                                    (int)tokens, (int)slots, (int)heads, (int)kv_heads, (int)head_dim,
+                                    (int)head_dim, slots * head_dim, (int)first, kernel->window};
             OrtStatus *pooled = prefill_on_pool(api, context, kernel->registration, &job);
+            if (!pooled && int8) unscale_values(out, vs, tokens, heads, group, head_dim);
             pthread_mutex_unlock(&call_lock);
             return pooled;
         }
@@ -601,20 +668,12 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(void *option
     Registration *r = calloc(1, sizeof(Registration));
     if (!r) return error(api, ORT_FAIL, "litekv: out of memory");
     r->api = api;
-    describe(&r->int4, r, config, KIND_LINEAR_INT4);
-    describe(&r->int8, r, config, KIND_LINEAR_INT8);
-    describe(&r->decode_attention, r, config, KIND_DECODE_ATTENTION);
-    describe(&r->prefill_attention, r, config, KIND_PREFILL_ATTENTION);
     OrtStatus *status =
         API(api, SLOT_CREATE_CUSTOM_OP_DOMAIN, OrtStatus * (*)(const char *, void **))("litekv", &r->domain);
-    if (!status) status = API(api, SLOT_CUSTOM_OP_DOMAIN_ADD, OrtStatus * (*)(void *, const void *))(r->domain, &r->int4);
-    if (!status) status = API(api, SLOT_CUSTOM_OP_DOMAIN_ADD, OrtStatus * (*)(void *, const void *))(r->domain, &r->int8);
-    if (!status)
-        status = API(api, SLOT_CUSTOM_OP_DOMAIN_ADD, OrtStatus * (*)(void *, const void *))(r->domain,
-                                                                                          &r->decode_attention);
-    if (!status)
-        status = API(api, SLOT_CUSTOM_OP_DOMAIN_ADD, OrtStatus * (*)(void *, const void *))(r->domain,
-                                                                                          &r->prefill_attention);
+    for (int kind = 0; kind < KINDS && !status; kind++) {
+        describe(&r->ops[kind], r, config, kind);
+        status = API(api, SLOT_CUSTOM_OP_DOMAIN_ADD, OrtStatus * (*)(void *, const void *))(r->domain, &r->ops[kind]);
+    }
     if (!status) status = API(api, SLOT_ADD_CUSTOM_OP_DOMAIN, OrtStatus * (*)(void *, void *))(options, r->domain);
     if (status) {
         litekv_ort_release(r);
