@@ -75,6 +75,7 @@ def test_attention_kinds_and_their_defaults():
     onnx = dict(backend="onnx", max_context=64, prefill_lengths=(8,))
     int4 = ConvertOptions(**onnx, quantize="int4")
     assert (int4.linears_kind, int4.attention_kind, int4.prefill_attention_kind) == ("kernel", "kernel", "kernel")
+    assert int4.kv_format == "int8"  # read by the ops' Int8 forms
     for quantize in ("fp32", "int8"):
         own = ConvertOptions(**onnx, quantize=quantize)
         assert own.attention_kind == own.prefill_attention_kind == "graph"

@@ -184,10 +184,10 @@ def test_the_library_registers_only_through_litekv():
 
 @lru_cache(maxsize=None)
 def bundle(arch: str, kind: str) -> Path:
-    """An ONNX int4 bundle whose linears and attention are litekv's kernels ("kernel", the default)
-    or ONNX Runtime's own ops (MatMulNBits, GroupQueryAttention: "graph")."""
+    """An ONNX int4 bundle with a float32 cache whose linears and attention are litekv's kernels
+    ("kernel") or ONNX Runtime's own ops (MatMulNBits, GroupQueryAttention: "graph")."""
     options = ConvertOptions(backend="onnx", quantize="int4", max_context=64, prefill_lengths=PREFILL_LENGTHS,
-                             decode_linears=kind, decode_attention=kind, prefill_attention=kind)
+                             decode_linears=kind, decode_attention=kind, prefill_attention=kind, kv_cache="fp32")
     return convert(checkpoint_dir(arch), _ROOT / f"{arch}-onnx-int4-{kind}-ops", options)
 
 
