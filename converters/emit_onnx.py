@@ -382,12 +382,7 @@ class OnnxOps(GraphOps):
             inputs += list(self._rotary_cache(rotary, half))
         quant = {}
         if self.kv_scales is not None:  # int8 K/V = code * scale, one scale per (KV head, channel)
-            inputs += [""] * (_GQA_K_SCALE - len(inputs))
-            for kind, scales in zip(("k", "v"), self.kv_scales):
-                name = f"kv_scale_{kind}_{layer}"
-                array = scales[layer].reshape(1, cfg.num_kv_heads, 1, cfg.head_dim).astype(np.float32)
-                self.initializers.append(numpy_helper.from_array(array, name))
-                inputs.append(name)
+            inputs += [""] * (_GQA_K_SCALE - len(inputs)) + self._kv_scale_inputs(layer)
             quant = dict(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
         out, present_k, present_v = (self._name("attn"), f"present_key_{layer}", f"present_value_{layer}")
         self.nodes.append(helper.make_node(
@@ -411,12 +406,8 @@ class OnnxOps(GraphOps):
             raise ValueError(f"litekv's ONNX attention ops read a float32 or int8 cache, not {self.kv_dtype}")
         inputs = [*qkv, past_k.ref, past_v.ref, self.seqlens.ref]
         inputs += list(self._rotary_cache(rotary)) if rotary is not None else ["", ""]
-        if int8:  # one scale per (KV head, channel), as GroupQueryAttention's k_scale / v_scale
-            for kind, scales in zip(("k", "v"), self.kv_scales):
-                name = f"kv_scale_{kind}_{layer}"
-                array = scales[layer].reshape(1, cfg.num_kv_heads, 1, cfg.head_dim).astype(np.float32)
-                self.initializers.append(numpy_helper.from_array(array, name))
-                inputs.append(name)
+        if int8:
+            inputs += self._kv_scale_inputs(layer)
         while not inputs[-1]:
             inputs.pop()
         op = ("DecodeAttention" if self.step_graph else "PrefillAttention") + ("Int8" if int8 else "")
@@ -427,6 +418,16 @@ class OnnxOps(GraphOps):
         for name in (present_k, present_v):
             self.outputs.append(helper.make_tensor_value_info(name, _ONNX_DTYPE[self.kv_dtype], list(kv_shape)))
         return Sym(out, (1, T_DIM, cfg.num_heads * cfg.head_dim))
+
+    def _kv_scale_inputs(self, layer: int) -> list[str]:
+        """An int8 cache's k_scale and v_scale tensors of a layer, [1, KVH, 1, D]: one scale per (KV
+        head, channel), code * scale being the value (GroupQueryAttention's and litekv's Int8 ops')."""
+        cfg, names = self.cfg, []
+        for kind, scales in zip(("k", "v"), self.kv_scales):
+            names.append(f"kv_scale_{kind}_{layer}")
+            array = scales[layer].reshape(1, cfg.num_kv_heads, 1, cfg.head_dim).astype(np.float32)
+            self.initializers.append(numpy_helper.from_array(array, names[-1]))
+        return names
 
     def _half(self, name: str) -> str:
         """A float16 copy of tensor `name`."""

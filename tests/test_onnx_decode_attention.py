@@ -12,6 +12,7 @@ from onnx import TensorProto, helper
 from litekv import native_attention
 from litekv.converters.emit_onnx import KERNEL_DOMAIN
 from litekv.native_attention import AttentionKernel
+from test_onnx_linears import kernel_model, session
 
 pytestmark = pytest.mark.skipif(not native_attention.available(), reason="the op is litekv's kernel")
 
@@ -48,17 +49,8 @@ def one_node(node, inputs: dict, width: int, cache_type: int, cache: list) -> by
     outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, "T", width]),
                helper.make_tensor_value_info("present_key", cache_type, cache),
                helper.make_tensor_value_info("present_value", cache_type, cache)]
-    graph = helper.make_graph([node], "attention", [helper.make_tensor_value_info(n, *t) for n, t in inputs.items()],
-                              outputs)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(KERNEL_DOMAIN, 1)])
-    model.ir_version = 10
-    return model.SerializeToString()
-
-
-def session(model: bytes, kernel: AttentionKernel) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    return kernel.onnx_session(model, options)
+    return kernel_model(helper.make_graph([node], "attention",
+                                          [helper.make_tensor_value_info(n, *t) for n, t in inputs.items()], outputs))
 
 
 def rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

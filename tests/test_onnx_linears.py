@@ -26,15 +26,20 @@ from test_decode_linears import int4_operands, rounding_bound
 pytestmark = pytest.mark.skipif(not native_attention.available(), reason="the linears are litekv's kernels")
 
 
+def kernel_model(graph: onnx.GraphProto) -> bytes:
+    """A model of `graph`, which may call litekv's ops (domain "litekv")."""
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(KERNEL_DOMAIN, 1)])
+    model.ir_version = 10
+    return model.SerializeToString()
+
+
 def op_model(op: str, x_width: int, out_width: int, weights: dict[str, np.ndarray], **attributes) -> bytes:
     """A one-node graph: y = op(x, *weights)."""
     node = helper.make_node(op, ["x", *weights], ["y"], domain=KERNEL_DOMAIN, **attributes)
     graph = helper.make_graph([node], "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", x_width])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", out_width])],
                               [numpy_helper.from_array(np.ascontiguousarray(a), n) for n, a in weights.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(KERNEL_DOMAIN, 1)])
-    model.ir_version = 10
-    return model.SerializeToString()
+    return kernel_model(graph)
 
 
 def session(model: bytes, kernel: AttentionKernel) -> ort.InferenceSession:
@@ -122,9 +127,7 @@ def normed_model(op: str, in_width: int, out_width: int, weights: dict[str, np.n
     graph = helper.make_graph([node], "normed", [row("x", in_width), *([row("skip", in_width)] if skip else [])],
                               [row("y", out_width), *([row("s", in_width)] if sum_output else [])],
                               [numpy_helper.from_array(np.ascontiguousarray(a), n) for n, a in weights.items()] + [norm])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(KERNEL_DOMAIN, 1)])
-    model.ir_version = 10
-    return model.SerializeToString()
+    return kernel_model(graph)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, epsilon: float) -> np.ndarray:

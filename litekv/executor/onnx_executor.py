@@ -86,21 +86,22 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         super().__init__(manifest.config, manifest.max_context, (PREFILL_CHUNK,), manifest.lora_rank,
                          manifest.lora_targets)
         ort = self._ort = _ort()
+        threads = threads or 2
         self.accelerator, providers = choose_providers(accelerator)
-        options = _session_options(ort, threads or 2)
+        options = _session_options(ort, threads)
         bundle = Path(bundle)
-        self._bundle, self._threads, self._providers = bundle, threads or 2, providers
+        self._bundle, self._threads, self._providers = bundle, threads, providers
         self._lora_session = None  # the LoRA graph, opened when the first adapter is loaded
         data_file = bundle / (manifest.model_file + ".data")
         mapped_before = mapped_ranges(data_file)  # other sessions of this file in the process: not ours
-        kernel = self._kernel = self._kernels(bundle, manifest, threads or 2)
+        kernel = self._kernel = self._kernels(bundle, manifest, threads)
         try:
             self.session = self._session(bundle / manifest.model_file, options, kernel)
             # Decode steps run their own graph where it has one (litekv's kernels), else the same.
             self.decode_session = self.session
             if manifest.decode_model_file:
                 # one thread where litekv's kernels do the matmuls; ONNX Runtime's own want its pool
-                decode_threads = DECODE_GRAPH_THREADS if manifest.decode_linears == "kernel" else threads or 2
+                decode_threads = DECODE_GRAPH_THREADS if manifest.decode_linears == "kernel" else threads
                 self.decode_session = self._session(bundle / manifest.decode_model_file,
                                                     _session_options(ort, decode_threads), kernel)
             self.sampler = (ort.InferenceSession(str(bundle / manifest.sampler_file), _session_options(ort, 1),
