@@ -269,6 +269,12 @@ class OnnxOps(GraphOps):
 
     def project(self, x: Sym, name: str, parts: Sequence[str]) -> Sym:
         fmt = self.plan.format_for(name)
+        if self.kernel_linears and fmt == "int4" and not (self.step_graph or x.shape[-2] == 1):
+            # a chunk: MatMulNBits, then litekv's Int4Offsets adds the offsets' share from the int8
+            # offsets LinearInt4 reads (in place of a block-sum matmul, a matmul and an add)
+            codes_share = self.matmul_weight(x, name, parts)
+            offsets = self._int8_offsets(name, self.int4_weights(name, parts)[2])
+            return self._node("Int4Offsets", [codes_share, x, *offsets], codes_share.shape, domain=KERNEL_DOMAIN)
         if not self.kernel_linears or fmt not in ("int4", "int8") or not (self.step_graph or x.shape[-2] == 1):
             return super().project(x, name, parts)
         out_dim = sum(self.weights[p].shape[0] for p in parts)

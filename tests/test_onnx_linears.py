@@ -117,6 +117,50 @@ def test_shapes_that_disagree_and_unknown_gates_are_refused():
         session(op_model("LinearInt4", 64, 4, inputs, gate=7), kernel)
 
 
+def offsets_model(in_dim: int, out_dim: int, offsets: np.ndarray, scales: np.ndarray) -> bytes:
+    """out = Int4Offsets(y, x, offsets, offset scales); the graph leaves the op to check the tokens."""
+    node = helper.make_node("Int4Offsets", ["y", "x", "offsets", "scales"], ["out"], domain=KERNEL_DOMAIN)
+    graph = helper.make_graph(
+        [node], "offsets", [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "T", out_dim]),
+                            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "S", in_dim])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, "T", out_dim])],
+        [numpy_helper.from_array(offsets, "offsets"), numpy_helper.from_array(scales, "scales")])
+    return kernel_model(graph)
+
+
+@pytest.mark.parametrize("tokens, in_dim, out_dim", [(1, 64, 6), (7, 576, 960), (70, 1536, 38), (256, 576, 200)])
+def test_int4_offsets_add_the_offsets_share(tokens, in_dim, out_dim):
+    """Int4Offsets (a prefill chunk's int4 projection after MatMulNBits) against numpy: y plus each
+    block's sum of x times the block's offset, over token counts and widths that leave partial
+    tiles and token groups, on two threads."""
+    rng = np.random.default_rng(tokens)
+    offsets = rng.integers(-128, 128, (out_dim, in_dim // 32), dtype=np.int8)
+    scales = rng.random(out_dim).astype(np.float32)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    model = AttentionKernel(16, 4, 64, threads=2).onnx_session(offsets_model(in_dim, out_dim, offsets, scales),
+                                                               options)
+    x = rng.normal(size=(1, tokens, in_dim)).astype(np.float32)
+    y = rng.normal(size=(1, tokens, out_dim)).astype(np.float32)
+    sums, weights = x.reshape(tokens, -1, 32).sum(-1, dtype=np.float64), offsets * scales[:, None].astype(np.float64)
+    bound = 1e-5 * (np.abs(sums) @ np.abs(weights).T + np.abs(y))  # float32 rounding, summed in any order
+    assert np.all(np.abs(model.run(None, {"y": y, "x": x})[0] - (y + sums @ weights.T)) <= bound)
+
+
+def test_int4_offsets_refuse_shapes_that_disagree():
+    kernel = AttentionKernel(16, 4, 64, threads=1)
+    offsets, scales = np.ones((8, 2), np.int8), np.ones(8, np.float32)
+    bad = {"blocks that do not divide x": (offsets[:, :1].repeat(3, 1), scales, 64),
+           "a scale short": (offsets, scales[:5], 64)}
+    for name, (codes, row_scales, in_dim) in bad.items():
+        model = session(offsets_model(in_dim, 8, np.ascontiguousarray(codes), row_scales), kernel)
+        with pytest.raises(Exception, match="shapes disagree"):
+            model.run(None, {"y": np.ones((1, 2, 8), np.float32), "x": np.ones((1, 2, in_dim), np.float32)})
+    model = session(offsets_model(64, 8, offsets, scales), kernel)
+    with pytest.raises(Exception, match="shapes disagree"):  # y's tokens are not x's
+        model.run(None, {"y": np.ones((1, 3, 8), np.float32), "x": np.ones((1, 2, 64), np.float32)})
+
+
 def normed_model(op: str, in_width: int, out_width: int, weights: dict[str, np.ndarray], norm_weight: np.ndarray,
                  skip: bool, sum_output: bool, **attributes) -> bytes:
     """One linear with the RMSNorm before it as its inputs: y (, s) = op(x (+ skip), weights, norm)."""
@@ -261,6 +305,8 @@ def test_the_decode_graph_reads_the_prefill_weights(arch, gate):
     decode, prefill = op_types(path / manifest.decode_model_file), op_types(path / manifest.model_file)
     assert decode["LinearInt4"] == 4 * layers and decode["LinearInt8"] == 1 and "MatMulNBits" not in decode
     assert prefill["MatMulNBits"] == 4 * layers and prefill["LinearInt8"] == 1 and "LinearInt4" not in prefill
+    # a chunk's offsets come from litekv's op, on the int8 offsets the decode graph's LinearInt4 reads
+    assert prefill["Int4Offsets"] == 4 * layers and "MatMul" not in prefill
     # the gated MLP's slices and activation are the op's gate; every residual add is in a norm
     assert not {"Sigmoid", "Tanh", "Add"} & set(decode)
     gated = [n for n in onnx.load(path / manifest.decode_model_file, load_external_data=False).graph.node
@@ -279,6 +325,9 @@ def test_the_decode_graph_reads_the_prefill_weights(arch, gate):
     model = onnx.load(path / manifest.decode_model_file, load_external_data=False)
     external = {t.name for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL}
     assert all(n.input[1] in external for n in model.graph.node if n.op_type.startswith("Linear"))
+    prefill_model = onnx.load(path / manifest.model_file, load_external_data=False)
+    offsets = {n.input[2] for n in prefill_model.graph.node if n.op_type == "Int4Offsets"}
+    assert offsets == {n.input[3] for n in model.graph.node if n.op_type == "LinearInt4"}
     assert all(len(t.raw_data) < 1024 for t in model.graph.initializer)  # the rest: shapes, a few constants
 
 

@@ -51,6 +51,22 @@ void linear_task(const LinearJob *job, int task);
 enum { LINEAR_GATE_SILU = 1, LINEAR_GATE_GELU_TANH = 2 };
 void linear_gate(const float *rows, float *y, size_t tokens, size_t half, int gate);
 
+/* int4_offsets.c: the offsets' share of an int4 projection over many tokens, added to the codes'
+ * share (ONNX Runtime's MatMulNBits output): result = y + offset_scales[o] * sum_b offsets[o, b] *
+ * (x's sum over block b). Run every sum task, then every tile task; tasks of a kind in any order. */
+typedef struct {
+    const float *x, *y;          /* [tokens][in], [tokens][out] */
+    const int8_t *offsets;       /* [out][blocks] */
+    const float *offset_scales;  /* [out] */
+    float *sums, *result;        /* [tokens][blocks] (scratch), [tokens][out] (may not alias y) */
+    int tokens, in, out, blocks; /* in a multiple of blocks */
+} Int4Offsets;
+int int4_offsets_sum_tasks(const Int4Offsets *job);
+int int4_offsets_tile_tasks(const Int4Offsets *job);
+size_t int4_offsets_scratch_floats(const Int4Offsets *job); /* per worker, for int4_offsets_tile */
+void int4_offsets_sums(const Int4Offsets *job, int task);
+void int4_offsets_tile(const Int4Offsets *job, int tile, float *weights);
+
 /* rope.c: x and out [tokens][heads][dim], cos and sin [tokens][dim]; out = x cos + rotate_half(x) sin. */
 void rope_apply(const float *x, const float *cos, const float *sin, float *out, int tokens, int heads, int dim);
 

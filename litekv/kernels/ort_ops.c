@@ -41,6 +41,11 @@
  *                 the output, so the kernels read the codes as they are (a quarter of a float32
  *                 cache's bytes).
  *
+ *   "Int4Offsets": y f32 [.., out] (MatMulNBits' output), x f32 [.., in] (its input), offsets int8
+ *                 [out, blocks], offset scales f32 [out]  ->  y plus the offsets' share of an int4
+ *                 projection (LinearInt4's W), f32 [.., out]: a prefill chunk's projection is then
+ *                 MatMulNBits and this op, on ONNX Runtime's pool (int4_offsets.c).
+ *
  * The library is the one Python loads with ctypes: litekv_ort_prepare() names the AttentionConfig
  * the next registration uses, then SessionOptions.register_custom_ops_library(path) calls
  * RegisterCustomOps, and litekv_ort_take() hands the registration back, for litekv_ort_release()
@@ -101,6 +106,7 @@ enum {
     KIND_PREFILL_ATTENTION,
     KIND_DECODE_ATTENTION_INT8,
     KIND_PREFILL_ATTENTION_INT8,
+    KIND_INT4_OFFSETS,
     KINDS
 };
 enum { GATE_NONE = 0, GATE_SILU = LINEAR_GATE_SILU, GATE_GELU_TANH = LINEAR_GATE_GELU_TANH }; /* emit_onnx.GATES */
@@ -156,6 +162,7 @@ typedef struct Registration {
     Scratch rows;   /* a gated linear's rows before the gate, or a step's rotated query */
     Scratch normed; /* a linear's normalized input */
     Scratch prefill[2]; /* the prefill kernel's scratch of each of its two workers (64-byte aligned) */
+    Scratch sums, offsets[2]; /* Int4Offsets: the block sums, and each worker's converted offsets */
 } Registration;
 
 /* One node's kernel: its op and its attributes. */
@@ -188,8 +195,9 @@ static OrtStatus *error(const OrtApi *api, int code, const char *message) {
 static int kind_of(const CustomOp *op) { return ((const Op *)(const void *)op)->kind; }
 
 static const char *op_name(const CustomOp *op) {
-    static const char *const names[] = {"LinearInt4",       "LinearInt8",          "DecodeAttention",
-                                        "PrefillAttention", "DecodeAttentionInt8", "PrefillAttentionInt8"};
+    static const char *const names[] = {"LinearInt4",          "LinearInt8",          "DecodeAttention",
+                                        "PrefillAttention",    "DecodeAttentionInt8", "PrefillAttentionInt8",
+                                        "Int4Offsets"};
     return names[kind_of(op)];
 }
 
@@ -208,11 +216,13 @@ static const int attention_inputs[] = {TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT, TYPE_
 /* ... an int8 cache's codes, then its static scales per KV head and channel [1, KVH, 1, D] */
 static const int attention_int8_inputs[] = {TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT, TYPE_INT8, TYPE_INT8,
                                             TYPE_INT32, TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT};
+/* y (MatMulNBits' output), x (its input), offsets, offset scales */
+static const int int4_offsets_inputs[] = {TYPE_FLOAT, TYPE_FLOAT, TYPE_INT8, TYPE_FLOAT};
 enum { ATTN_QUERY, ATTN_KEY, ATTN_VALUE, ATTN_PAST_KEY, ATTN_PAST_VALUE, ATTN_SEQLENS, ATTN_COS, ATTN_SIN,
        ATTN_K_SCALE, ATTN_V_SCALE };
 
 static size_t op_input_count(const CustomOp *op) {
-    static const size_t counts[] = {7, 5, 8, 8, 10, 10};
+    static const size_t counts[] = {7, 5, 8, 8, 10, 10, 4};
     return counts[kind_of(op)];
 }
 
@@ -221,7 +231,8 @@ static size_t linear_weight_inputs(int kind) { return kind == KIND_LINEAR_INT8 ?
 
 static int op_input_type(const CustomOp *op, size_t index) {
     static const int *const types[] = {linear_int4_inputs, linear_int8_inputs,    attention_inputs,
-                                       attention_inputs,   attention_int8_inputs, attention_int8_inputs};
+                                       attention_inputs,   attention_int8_inputs, attention_int8_inputs,
+                                       int4_offsets_inputs};
     return index < op_input_count(op) ? types[kind_of(op)][index] : 0;
 }
 
@@ -233,20 +244,25 @@ static int is_attention(int kind) {
     return kind == KIND_DECODE_ATTENTION || kind == KIND_PREFILL_ATTENTION || is_int8_attention(kind);
 }
 
-static size_t op_output_count(const CustomOp *op) { return is_attention(kind_of(op)) ? 3 : 2; }
+static int is_linear(int kind) { return kind == KIND_LINEAR_INT4 || kind == KIND_LINEAR_INT8; }
+
+static size_t op_output_count(const CustomOp *op) {
+    return is_attention(kind_of(op)) ? 3 : is_linear(kind_of(op)) ? 2 : 1;
+}
 
 static int op_output_type(const CustomOp *op, size_t index) {
     return is_int8_attention(kind_of(op)) && index > 0 ? TYPE_INT8 : TYPE_FLOAT; /* present codes */
 }
 
 static int op_input_characteristic(const CustomOp *op, size_t index) {
-    if (!is_attention(kind_of(op))) return index < linear_weight_inputs(kind_of(op)) ? REQUIRED : OPTIONAL;
+    if (is_linear(kind_of(op))) return index < linear_weight_inputs(kind_of(op)) ? REQUIRED : OPTIONAL;
+    if (!is_attention(kind_of(op))) return REQUIRED;
     const int optional = index == ATTN_KEY || index == ATTN_VALUE || index == ATTN_COS || index == ATTN_SIN;
     return optional ? OPTIONAL : REQUIRED;
 }
 
 static int op_output_characteristic(const CustomOp *op, size_t index) {
-    return !is_attention(kind_of(op)) && index == 1 ? OPTIONAL : REQUIRED; /* a linear's residual sum */
+    return is_linear(kind_of(op)) && index == 1 ? OPTIONAL : REQUIRED; /* a linear's residual sum */
 }
 
 static int op_memory_type(const CustomOp *op, size_t index) {
@@ -273,12 +289,12 @@ static OrtStatus *op_create_kernel(const CustomOp *custom, const OrtApi *api, co
             return error(api, ORT_INVALID_ARGUMENT, "litekv linear: unknown gate (1 = silu, 2 = gelu_tanh)");
         k.gate = (int)gate;
     }
-    if (!is_attention(op->kind)) {
+    if (is_linear(op->kind)) {
         OrtStatus *absent = API(api, SLOT_KERNEL_INFO_GET_ATTRIBUTE_FLOAT,
                                 OrtStatus * (*)(const void *, const char *, float *))(info, "epsilon", &k.epsilon);
         if (absent) API(api, SLOT_RELEASE_STATUS, void (*)(OrtStatus *))(absent), k.epsilon = 1e-6f;
         if (!(k.epsilon >= 0.0f)) return error(api, ORT_INVALID_ARGUMENT, "litekv linear: epsilon must be >= 0");
-    } else {
+    } else if (is_attention(op->kind)) {
         const int64_t heads = int_attribute(api, info, "num_heads", 0), kv_heads = int_attribute(api, info,
                                                                                                  "kv_num_heads", 0);
         const int64_t window = int_attribute(api, info, "local_window_size", -1);
@@ -464,7 +480,63 @@ static OrtStatus *linear_compute(const Kernel *kernel, void *context) {
     return status ? error(api, ORT_RUNTIME_EXCEPTION, "litekv linear: the kernel failed (out of memory?)") : NULL;
 }
 
-/* out = x * cos + rotate_half(x) * sin over the first 2 * half elements of a head; the rest copied. */
+/* An Int4Offsets call's tasks (int4_offsets.c), taken in turn by the workers of ONNX Runtime's pool. */
+typedef struct {
+    const Int4Offsets *job;
+    float *weights[2];
+    atomic_int next;
+    int count, tiles; /* tiles: tile tasks, else block-sum tasks */
+} OffsetsWork;
+
+static void offsets_worker(void *data, size_t worker) {
+    OffsetsWork *work = data;
+    for (int task; (task = atomic_fetch_add(&work->next, 1)) < work->count;) {
+        if (work->tiles)
+            int4_offsets_tile(work->job, task, work->weights[worker]);
+        else
+            int4_offsets_sums(work->job, task);
+    }
+}
+
+static OrtStatus *offsets_compute(const Kernel *kernel, void *context) {
+    const Op *op = kernel->op;
+    Registration *r = kernel->registration;
+    const OrtApi *api = op->api;
+    Tensor y, x, offsets, scales;
+    CHECK(input(api, context, 0, TYPE_FLOAT, &y));
+    CHECK(input(api, context, 1, TYPE_FLOAT, &x));
+    CHECK(input(api, context, 2, TYPE_INT8, &offsets));
+    CHECK(input(api, context, 3, TYPE_FLOAT, &scales));
+    const size_t in = (size_t)x.dims[x.rank - 1], out = (size_t)y.dims[y.rank - 1];
+    const size_t blocks = offsets.rank == 2 ? (size_t)offsets.dims[1] : 0, tokens = in ? x.count / in : 0;
+    int agree = x.rank == y.rank && in > 0 && out > 0 && tokens > 0 && tokens <= INT32_MAX && in <= INT32_MAX &&
+                out <= INT32_MAX && y.count == tokens * out && offsets.rank == 2 && (size_t)offsets.dims[0] == out &&
+                blocks > 0 && in % blocks == 0 && scales.count == out;
+    for (size_t i = 0; agree && i + 1 < x.rank; i++) agree = x.dims[i] == y.dims[i];
+    if (!agree)
+        return error(api, ORT_INVALID_ARGUMENT, "litekv Int4Offsets: the input shapes disagree (y [.., out], x [.., "
+                                                "in] with the same leading dimensions, offsets [out, blocks] with "
+                                                "blocks dividing in, offset scales [out])");
+    float *result = NULL;
+    CHECK(output(api, context, 0, y.dims, y.rank, &result));
+    pthread_mutex_lock(&call_lock);
+    Int4Offsets job = {x.data, y.data, offsets.data, scales.data, scratch(&r->sums, tokens * blocks), result,
+                       (int)tokens, (int)in, (int)out, (int)blocks};
+    const size_t floats = int4_offsets_scratch_floats(&job);
+    OffsetsWork work = {&job, {scratch(&r->offsets[0], floats), scratch(&r->offsets[1], floats)}, 0,
+                        int4_offsets_sum_tasks(&job), 0};
+    OrtStatus *status = NULL;
+    if (!job.sums || !work.weights[0] || !work.weights[1]) status = error(api, ORT_FAIL, "litekv: out of memory");
+    for (int tiles = 0; tiles < 2 && !status; tiles++) { /* every block sum before any tile reads them */
+        if (tiles) work.tiles = 1, work.count = int4_offsets_tile_tasks(&job), atomic_store(&work.next, 0);
+        status = API(api, SLOT_KERNEL_CONTEXT_PARALLEL_FOR,
+                     OrtStatus * (*)(const void *, void (*)(void *, size_t), size_t, size_t, void *))(
+            context, offsets_worker, 2, 2, &work);
+    }
+    pthread_mutex_unlock(&call_lock);
+    return status;
+}
+
 /* codes = x / scale, rounded to the nearest and saturated, as GroupQueryAttention writes an int8 cache. */
 static void quantize(const float *x, const float *scale, int8_t *codes, size_t count) {
     for (size_t i = 0; i < count; i++) {
@@ -483,6 +555,7 @@ static void unscale_values(float *out, const float *scales, size_t tokens, size_
     }
 }
 
+/* out = x * cos + rotate_half(x) * sin over the first 2 * half elements of a head; the rest copied. */
 static void rotate(const float *restrict x, const float *restrict cos, const float *restrict sin, float *restrict out,
                    int half, int head_dim) {
     for (int i = 0; i < half; i++) {
@@ -626,7 +699,10 @@ static OrtStatus *attention_compute(const Kernel *kernel, void *context) {
 
 static OrtStatus *op_compute(void *kernel_data, void *context) {
     const Kernel *kernel = kernel_data;
-    return is_attention(kernel->op->kind) ? attention_compute(kernel, context) : linear_compute(kernel, context);
+    const int kind = kernel->op->kind;
+    return is_attention(kind)           ? attention_compute(kernel, context)
+           : kind == KIND_INT4_OFFSETS ? offsets_compute(kernel, context)
+                                       : linear_compute(kernel, context);
 }
 
 /* ---- registration ---------------------------------------------------------------------------- */
@@ -654,6 +730,7 @@ void litekv_ort_release(void *registration) {
     if (!r) return;
     if (r->domain) API(r->api, SLOT_RELEASE_CUSTOM_OP_DOMAIN, void (*)(void *))(r->domain);
     free(r->rows.data), free(r->normed.data), free(r->prefill[0].data), free(r->prefill[1].data);
+    free(r->sums.data), free(r->offsets[0].data), free(r->offsets[1].data);
     free(r);
 }
 
