@@ -102,7 +102,7 @@ def test_file_mappings_release_only_their_file_and_skip_excluded_ranges(tmp_path
 
 def test_a_range_that_no_longer_maps_the_file_is_left_alone(tmp_path):
     """A private anonymous mapping placed where the file was mapped would lose its data to
-    MADV_DONTNEED; the map_files check must skip it."""
+    MADV_DONTNEED; the check of /proc/self/maps must skip it."""
     path = tmp_path / "weights.bin"
     path.write_bytes(bytes(SIZE))
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ):
@@ -133,9 +133,28 @@ def test_release_reports_only_what_it_released(tmp_path, monkeypatch):
     path.write_bytes(bytes(SIZE))
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         np.frombuffer(mapped, np.uint8).sum()
-        monkeypatch.setattr(resident_pages.os, "readlink", lambda link: "/somewhere/else")
-        assert release_file_pages(path) == 0  # the check says another file: nothing released
+        monkeypatch.setattr(resident_pages, "_read_only_ranges", lambda target: set())
+        assert release_file_pages(path) == 0  # the check finds the file mapped nowhere: nothing released
         assert resident_kb(path) >= SIZE // 1024 * 0.9
+
+
+def test_adjacent_ranges_are_released_in_one_call_and_unmapped_ones_skipped(monkeypatch):
+    import litekv.resident_pages as resident_pages
+
+    calls = []
+
+    class Libc:
+        @staticmethod
+        def madvise(start, length, advice):
+            calls.append((start, start + length, advice))
+            return 0
+
+    mapped = {(0x1000, 0x3000), (0x3000, 0x4000), (0x8000, 0x9000), (0x9000, 0xA000)}
+    monkeypatch.setattr(resident_pages, "_read_only_ranges", lambda target: mapped - {(0x9000, 0xA000)})
+    monkeypatch.setattr(resident_pages, "_libc", lambda: Libc)
+    released = resident_pages._release("/model.onnx.data", sorted(mapped, reverse=True))
+    assert calls == [(0x1000, 0x4000, 4), (0x8000, 0x9000, 4)]  # 0x9000 no longer maps the file
+    assert sorted(released) == [(0x1000, 0x3000), (0x3000, 0x4000), (0x8000, 0x9000)]
 
 
 def test_unwritten_private_mapping_is_sealed_then_released_and_a_written_one_is_left_alone(tmp_path):

@@ -110,7 +110,7 @@ class ExecutorBase(ABC):
         with self._call(lora_id) as adapter:
             start = kv_cache.num_tokens
             if self.model_pages is not None:  # what decode steps read since the last release
-                self.model_pages.release()
+                self.model_pages.release_after_steps()
             try:
                 for chunk in plan_prefill(tokens.shape[1], start, self._prefill_sizes(), self.max_context):
                     self._check_cancel()
