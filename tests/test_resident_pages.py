@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import sys
 
 import numpy as np
@@ -202,3 +203,35 @@ def test_onnx_prefill_leaves_no_external_data_pages_resident(tmp_path):
     ex.model_pages.every_steps = 2
     ex.sample_tokens(1, [6], ours)  # the second step since the prefill's release
     assert resident_kb(data_file) == 0
+
+
+FREED_BLOCK = """
+import ctypes, sys
+from litekv import resident_pages
+if sys.argv[1] == "pinned":
+    assert resident_pages.keep_large_allocations_mapped()
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+def anon_kb():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon"))
+size = 8 << 20
+for _ in range(2):  # the first free raises glibc's threshold; the second block then comes from the heap
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    libc.free(block)
+guard = libc.malloc(64)  # keeps the freed block off the heap's top, where glibc would trim it
+print(anon_kb())
+"""
+
+
+@pytest.mark.skipif(not os.confstr("CS_GNU_LIBC_VERSION"), reason="glibc's malloc")
+def test_freed_large_blocks_go_back_to_the_system_with_the_threshold_pinned():
+    import subprocess
+
+    def anon_kb(mode: str) -> int:
+        env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+        out = subprocess.run([sys.executable, "-c", FREED_BLOCK, mode], capture_output=True, text=True, env=env,
+                             check=True)
+        return int(out.stdout.split()[-1])
+
+    assert anon_kb("dynamic") - anon_kb("pinned") > 6 * 1024  # the 8 MB block stayed resident without the pin

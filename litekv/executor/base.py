@@ -18,7 +18,7 @@ import numpy as np
 from litekv.errors import Cancelled, ConfigError, ContextFull
 from litekv.kv_cache import KVCache
 from litekv.models.config import ModelConfig
-from litekv.resident_pages import ModelFilePages
+from litekv.resident_pages import ModelFilePages, keep_large_allocations_mapped
 from litekv.sampling import step_seed
 
 from .lora import LoraAdapter, LoraError, load_peft_adapter
@@ -80,6 +80,7 @@ class ExecutorBase(ABC):
         self._lock = threading.Lock()
         self._cancel = threading.Event()
         self._running = 0
+        keep_large_allocations_mapped()  # freed activations go back to the system, not to a growing heap
 
     # ---- KV caches --------------------------------------------------------------------------------
     @abstractmethod
