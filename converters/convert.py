@@ -36,13 +36,15 @@ def default_kv_cache(backend: str, quantize: str, attention: str = "kernel", lor
                      linears: str = "graph") -> str:
     """The KV cache format a bundle gets without --kv-cache.
 
-    ONNX: int8 for int4 weights on litekv's linears, whose steps and prefill chunks then attend in
-    litekv's Int8 ops: against a float32 cache a SmolLM2 step grew 1.26-1.37x from 64 to 2,048
+    ONNX: int8 for int4 and int8 weights attending in litekv's ops (their Int8 forms), without
+    LoRA inputs. Against a float32 cache an int4 SmolLM2 step grew 1.26-1.37x from 64 to 2,048
     tokens instead of 2.1x, decoded at 1.17 of onnxruntime-genai int4 instead of 1.09 in the same
     run, prefilled level, and scored a mean KL of 0.0096 (LiteRT's int4 default: 0.0098; float32
-    cache 0.0050; seventeenth round). Else fp32, because GroupQueryAttention computes a float16
-    cache in float16 on the CPU (slower), and with an int8 cache its attention in a 1,024-token
-    prefill took 3x as long. LiteRT: fp16,
+    cache 0.0050; seventeenth round); an int8-weight step grew 1.12x instead of 1.45x, as fast at
+    64 tokens, for a mean KL of 0.0328 against 0.0289 at the same top-1 agreement (90.2 against
+    90.4 %; eighteenth round). fp32 weights keep fp32 (their step grows 1.16x; an int8 cache
+    would cost 3 points of agreement), as does a float16 cache, which only GroupQueryAttention
+    reads, and computes in float16 on the CPU (slower). LiteRT: fp16,
     which litekv's kernels read at half the bytes with the quality of fp32; int8 with int4 weights
     and litekv's decode kernel. There it keeps the float16 cache's top-1 agreement (92.4 against
     92.1 %, SmolLM2, bench/quality_kl.py) for 12 % more mean KL (0.0275 against 0.0245), decodes
@@ -50,7 +52,7 @@ def default_kv_cache(backend: str, quantize: str, attention: str = "kernel", lor
     graph attention, which widens the whole cache to float32 every step, nor with LoRA inputs: the
     scales are calibrated without adapters, which may move K and V past them."""
     if backend == "onnx":
-        return "int8" if quantize == "int4" and linears == "kernel" and attention == "kernel" and not lora else "fp32"
+        return "int8" if quantize in ("int4", "int8") and attention == "kernel" and not lora else "fp32"
     if attention != "kernel" or lora:
         return "fp16"
     # int8 weights with litekv's linear kernels: their error drops enough (mean KL 0.0135 with an int8
@@ -152,6 +154,11 @@ class ConvertOptions:
                 raise ConfigError(f"--{flag}-attention kernel on ONNX reads a float32 or int8 cache "
                                   f"(GroupQueryAttention keeps the float16 one). Drop --{flag}-attention or "
                                   "--kv-cache.")
+        if self._onnx_one_graph and None not in (self.decode_attention, self.prefill_attention) \
+                and self.decode_attention != self.prefill_attention:
+            raise ConfigError("this ONNX bundle's steps and prefill chunks run one graph (its linears are ONNX "
+                              "Runtime's), which attends one way: give --decode-attention and --prefill-attention "
+                              "the same value, or only one of them.")
         if self.decode_linears is not None:
             if self.decode_linears not in ATTENTION_KINDS:
                 raise ConfigError(f"unknown decode linears {self.decode_linears!r}; choose one of "
@@ -193,22 +200,26 @@ class ConvertOptions:
 
     def _attention_kind(self, choice: str | None) -> str:
         """What the manifest records for one kind of entry point: "kernel" (litekv's attention op) by
-        default on LiteRT. On ONNX, where the decode steps' linears are litekv's too (int4) over a
-        float32 cache: a step's GroupQueryAttention took 52 us a layer at 320 tokens on the decode
-        graph's one thread, litekv's kernel about 15 on two, and a 256-token int4 prefill 206 ms
-        against 214 (1,024 tokens: 855 against 890), its tasks on ONNX Runtime's pool. Not with
-        the runtime's own linears: their steps run the prefill graph, where the decode kernel's
-        helper thread meets the pool spinning, and a decode graph of their own would run them on
-        one thread (an fp32 step fell from 69 to 54 tok/s) or prepack them twice (fp32 peak RSS
-        1,296 MB against a 952 MB budget). Seventeenth round, bench/PERFORMANCE.md."""
+        default, on ONNX too wherever the cache is float32 or int8. There a step's GroupQueryAttention
+        took 52 us a layer at 320 tokens on one thread, litekv's kernel about 15 on two, and a 256-token
+        int4 prefill 206 ms against 214 (seventeenth round, bench/PERFORMANCE.md). With the runtime's
+        own linears the steps run the model graph, whose one-token calls take ONNX Runtime's pool
+        (its worker spins between nodes, so litekv's helper thread would wait for that core)."""
         if self.backend != "onnx":
             return choice or "kernel"
-        return choice or ("kernel" if self._onnx_attention_kernel_fits and self.linears_kind == "kernel" else "graph")
+        return choice or ("kernel" if self._onnx_attention_kernel_fits else "graph")
+
+    @property
+    def _onnx_one_graph(self) -> bool:
+        """An ONNX bundle without a decode graph (its linears are the runtime's): steps and prefill
+        chunks run one graph, so one attention choice serves both."""
+        return self.backend == "onnx" and self.linears_kind != "kernel"
 
     @property
     def attention_kind(self) -> str:
         """The decode steps' attention."""
-        return self._attention_kind(self.decode_attention)
+        one = self._onnx_one_graph and self.decode_attention is None
+        return self._attention_kind(self.prefill_attention if one else self.decode_attention)
 
     @property
     def linears_kind(self) -> str:
@@ -223,7 +234,8 @@ class ConvertOptions:
     @property
     def prefill_attention_kind(self) -> str:
         """The prefill chunks' attention."""
-        return self._attention_kind(self.prefill_attention)
+        one = self._onnx_one_graph and self.prefill_attention is None
+        return self._attention_kind(self.decode_attention if one else self.prefill_attention)
 
     @property
     def lora(self) -> LoraSpec | None:
@@ -411,7 +423,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
                         location="model.onnx.data", size_threshold=1024)
         graphs = [("model", model, False)]
         decode_model_file = None
-        if "kernel" in (linears, options.attention_kind):  # decode steps get a graph of their own, same weights
+        if linears == "kernel":  # decode steps get a graph of their own (one thread, litekv's), same weights
             step_model, _ = emit_onnx(cfg, ckpt.weights, plan, None, options.max_context, kv_scales=kv_scales,
                                       kv_dtype=options.kv_dtype, decode_linears=linears, step_graph=True, **attention)
             share_external_data(step_model, str(staging / "model.onnx"))

@@ -29,8 +29,10 @@ FORMAT = "litekv-bundle"
 # projections are litekv's ops; their block scales are float16 and their offsets int8 in every ONNX int4 bundle.
 # 11: ONNX bundles may attend in litekv's ops (`decode_attention`, `prefill_attention` "kernel"; a float32
 # or int8 cache), the decode graph then being theirs whatever the linears.
-VERSION = 11
-READABLE_VERSIONS = (3, 4, 5, 6, 7, 8, 9, 10, 11)
+# 12: ONNX bundles attending in litekv's ops over ONNX Runtime's own linears have no decode graph: their
+# one-token steps run the model graph, on its session's pool.
+VERSION = 12
+READABLE_VERSIONS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
 ATTENTION_KINDS = ("kernel", "graph")
 SAMPLER_SIGNATURE = "sampler"
 # The sampler graph's scalar inputs, each of shape [1], in order: (name, dtype).
@@ -146,8 +148,8 @@ class Manifest:
             raise BundleError(f"{where}: a KV cache with row scales must be int8 on LiteRT with litekv's attention "
                               "kernels, at one capacity; reconvert the model.")
         step_kernels = "kernel" in (manifest.decode_linears, manifest.decode_attention)
-        if step_kernels and manifest.backend != "litert" and not manifest.decode_model_file:
-            raise BundleError(f"{where}: an ONNX bundle whose decode steps run litekv's kernels needs its decode "
+        if manifest.decode_linears == "kernel" and manifest.backend != "litert" and not manifest.decode_model_file:
+            raise BundleError(f"{where}: an ONNX bundle whose decode steps run litekv's linears needs its decode "
                               "graph, and the manifest names none; reconvert the model.")
         if manifest.decode_model_file and (manifest.backend != "onnx" or not step_kernels):
             raise BundleError(f"{where}: a separate decode graph is for ONNX bundles whose decode steps run litekv's "

@@ -102,7 +102,7 @@ def _load() -> ctypes.CDLL:
                     lib.litekv_attention_int8_dot.argtypes = []
                     lib.litekv_attention_int8_dot.restype = ctypes.c_int
                     lib.litekv_attention_stats.argtypes = [ctypes.POINTER(AttentionConfig),
-                                                           ctypes.POINTER(ctypes.c_uint64 * 6)]
+                                                           ctypes.POINTER(ctypes.c_uint64 * 7)]
                     lib.litekv_attention_stats.restype = None
                     lib.litekv_attention_run.restype = ctypes.c_int
                     lib.litekv_attention_run.argtypes = [ctypes.POINTER(AttentionConfig), *[ctypes.c_void_p] * 7,
@@ -143,6 +143,7 @@ class AttentionStats:
     helper_chunks: int   # of those, the ones the helper thread computed (0 with one thread)
     helper_joins: int = 0  # calls the helper took a chunk of
     helper_delay_seconds: float = 0.0  # from the caller's offer to the helper's start, summed over those
+    pool_chunks: int = 0  # chunks a worker of ONNX Runtime's pool computed (one-token PrefillAttention calls)
 
     def __add__(self, other: AttentionStats) -> AttentionStats:
         return AttentionStats(*(a + b for a, b in zip(astuple(self), astuple(other))))
@@ -340,10 +341,11 @@ class AttentionKernel:
 
     def stats(self) -> AttentionStats:
         """Counters since this registration was made; read them between model calls."""
-        counters = (ctypes.c_uint64 * 6)()
+        counters = (ctypes.c_uint64 * 7)()
         self._lib.litekv_attention_stats(ctypes.byref(self.config), ctypes.byref(counters))
-        calls, nanoseconds, chunks, helper_chunks, joins, delay_nanoseconds = counters
-        return AttentionStats(calls, nanoseconds / 1e9, chunks, helper_chunks, joins, delay_nanoseconds / 1e9)
+        calls, nanoseconds, chunks, helper_chunks, joins, delay_nanoseconds, pool_chunks = counters
+        return AttentionStats(calls, nanoseconds / 1e9, chunks, helper_chunks, joins, delay_nanoseconds / 1e9,
+                              pool_chunks)
 
     def release(self) -> None:
         self._lib.litekv_attention_release(ctypes.byref(self.config))

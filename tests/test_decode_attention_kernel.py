@@ -357,12 +357,15 @@ def test_manifest_versions(tmp_path):
     nine = {**data, "version": 9}
     nine.pop("decode_model_file")  # before ONNX decode graphs: none
     assert Manifest.from_json(json.dumps(nine), "nine").decode_model_file is None
-    with pytest.raises(BundleError, match="version 12 is not supported.*reads versions 3, 4, 5, 6, 7, 8, 9, 10, 11"):
-        Manifest.from_json(json.dumps({**data, "version": 12}), "new")
+    with pytest.raises(BundleError, match="version 13 is not supported.*reads versions 3, 4, 5, 6, 7, 8, 9, 10, 11, 12"):
+        Manifest.from_json(json.dumps({**data, "version": 13}), "new")
     onnx = json.loads((bundle("llama", "onnx", "int4") / "litekv.json").read_text())
     assert onnx["decode_attention"] == onnx["prefill_attention"] == "kernel" and onnx["decode_model_file"]
-    with pytest.raises(BundleError, match="decode steps run litekv's kernels needs its decode graph"):
+    with pytest.raises(BundleError, match="decode steps run litekv's linears needs its decode graph"):
         Manifest.from_json(json.dumps({**onnx, "decode_model_file": None}), "no decode graph")
+    # litekv's attention over ONNX Runtime's linears: one graph, no decode graph (version 12 on)
+    one_graph = {**onnx, "decode_model_file": None, "decode_linears": "graph"}
+    assert Manifest.from_json(json.dumps(one_graph), "one graph").uses_attention_kernel
     with pytest.raises(BundleError, match="separate decode graph is for ONNX bundles whose decode steps run"):
         Manifest.from_json(json.dumps({**onnx, "decode_attention": "graph", "decode_linears": "graph"}), "graph ops")
     with pytest.raises(BundleError, match="attention ops read a float32 or int8 cache, and this one is float16"):

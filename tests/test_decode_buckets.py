@@ -68,20 +68,27 @@ def test_bucket_options_are_refused_for_onnx(field):
 
 
 def test_attention_kinds_and_their_defaults():
-    """LiteRT attends in litekv's kernels by default. ONNX does where its decode steps' linears are
-    litekv's (int4) over a float32 or int8 cache, and keeps GroupQueryAttention otherwise (its own
-    linears, its float16 cache). Either kernel may be chosen where it reads the cache."""
+    """LiteRT attends in litekv's kernels by default, and so does ONNX over a float32 or int8 cache,
+    whatever runs its linears; ONNX keeps GroupQueryAttention for its float16 cache. Quantized ONNX
+    weights default to an int8 cache (not with LoRA inputs). Either kernel may be chosen where it
+    reads the cache; a bundle whose steps and chunks run one graph attends one way."""
     assert ConvertOptions(max_context=64, prefill_lengths=(8,)).attention_kind == "kernel"
     onnx = dict(backend="onnx", max_context=64, prefill_lengths=(8,))
     int4 = ConvertOptions(**onnx, quantize="int4")
     assert (int4.linears_kind, int4.attention_kind, int4.prefill_attention_kind) == ("kernel", "kernel", "kernel")
     assert int4.kv_format == "int8"  # read by the ops' Int8 forms
-    for quantize in ("fp32", "int8"):
+    for quantize, cache in (("fp32", "fp32"), ("int8", "int8")):
         own = ConvertOptions(**onnx, quantize=quantize)
-        assert own.attention_kind == own.prefill_attention_kind == "graph"
-    assert ConvertOptions(**onnx, quantize="int4", lora_rank=4).attention_kind == "graph"  # graph linears
-    assert ConvertOptions(**onnx, decode_attention="kernel", prefill_attention="kernel").prefill_attention_kind == \
-        "kernel"
+        assert (own.linears_kind, own.attention_kind, own.prefill_attention_kind) == ("graph", "kernel", "kernel")
+        assert own.kv_format == cache
+    lora = ConvertOptions(**onnx, quantize="int4", lora_rank=4)  # graph linears, a float32 cache
+    assert (lora.linears_kind, lora.attention_kind, lora.kv_format) == ("graph", "kernel", "fp32")
+    assert ConvertOptions(**onnx, decode_attention="graph").prefill_attention_kind == "graph"  # one graph
+    assert ConvertOptions(**onnx, prefill_attention="graph").attention_kind == "graph"
+    with pytest.raises(ConfigError, match="attends one way"):
+        ConvertOptions(**onnx, decode_attention="kernel", prefill_attention="graph")
+    split = ConvertOptions(**onnx, quantize="int4", decode_attention="kernel", prefill_attention="graph")
+    assert (split.attention_kind, split.prefill_attention_kind) == ("kernel", "graph")  # int4: a decode graph
     int8 = ConvertOptions(**onnx, quantize="int4", kv_cache="int8")  # GroupQueryAttention's codes and scales
     assert int8.attention_kind == int8.prefill_attention_kind == "kernel"
     half = ConvertOptions(**onnx, quantize="int4", kv_cache="fp16")

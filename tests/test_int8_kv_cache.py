@@ -114,24 +114,26 @@ def test_calibration_scales_leave_the_key_and_value_headrooms():
         np.testing.assert_allclose((scales * 127 / bound)[moved], headroom, rtol=1e-5)
 
 
-def test_the_default_cache_is_int8_only_for_litert_quantized_weights_on_the_kernels():
+def test_the_default_cache_is_int8_only_for_quantized_weights_on_the_kernels():
     """With int4 weights an int8 cache keeps the float16 cache's agreement and decodes faster in
     litekv's kernel, so it is LiteRT's default there, and with int8 weights on litekv's linear
     kernels (their default); fp32 weights keep float16, and so do graph attention (which widens the
     cache every step), LoRA bundles (scales calibrated without adapters) and int8 weights in XNNPACK's
-    linears. ONNX int4 on litekv's linears and attention ops gets int8 too; other ONNX bundles keep
-    float32."""
+    linears. ONNX int4 and int8 weights on litekv's attention ops get int8 too, whatever runs their
+    linears; fp32 weights, GroupQueryAttention and LoRA bundles keep float32."""
     def kv_format(**options):
         return ConvertOptions(max_context=64, prefill_lengths=(8,), **options).kv_format
 
     defaults = {(backend, quantize): kv_format(backend=backend, quantize=quantize)
                 for backend in ("litert", "onnx") for quantize in ("fp32", "int8", "int4")}
     assert defaults == {("litert", "fp32"): "fp16", ("litert", "int8"): "int8", ("litert", "int4"): "int8",
-                        ("onnx", "fp32"): "fp32", ("onnx", "int8"): "fp32", ("onnx", "int4"): "int8"}
-    # ONNX int4 on litekv's linears and attention ops: int8, read by the Int8 ops; GroupQueryAttention keeps float32
-    assert kv_format(backend="onnx", quantize="int4", decode_linears="graph") == "fp32"
+                        ("onnx", "fp32"): "fp32", ("onnx", "int8"): "int8", ("onnx", "int4"): "int8"}
+    # ONNX on litekv's attention ops: int8, read by the Int8 ops; GroupQueryAttention keeps float32
+    assert kv_format(backend="onnx", quantize="int4", decode_linears="graph") == "int8"
     assert kv_format(backend="onnx", quantize="int4", decode_attention="graph") == "fp32"
+    assert kv_format(backend="onnx", quantize="int8", decode_attention="graph") == "fp32"
     assert kv_format(backend="onnx", quantize="int4", lora_rank=4) == "fp32"
+    assert kv_format(backend="onnx", quantize="int8", lora_rank=4) == "fp32"
     assert kv_format(backend="litert", quantize="int8", decode_linears="graph") == "fp16"
     assert kv_format(backend="litert", quantize="int8", lora_rank=4) == "fp16"
     assert kv_format(backend="litert", quantize="int4", decode_attention="graph") == "fp16"

@@ -150,6 +150,48 @@ def test_a_prefill_chunk_matches_numpy(head_dim, rotary_half, packed):
         np.testing.assert_array_equal(present_v, want_v.astype(np.float32))
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_token_prefill_calls_share_their_chunks_with_the_sessions_pool(int8, threads):
+    """A bundle whose steps run its prefill graph (ONNX Runtime's own linears) attends one token in
+    PrefillAttention: the decode kernel's chunks, taken by the session's pool instead of litekv's
+    helper thread, give numpy's answer at every context, and the helper computes none of them."""
+    heads, kv_heads, slots, head_dim, half = 9, 3, 2048, 64, 32
+    rng = np.random.default_rng(threads + 2 * int8)
+    kernel = AttentionKernel(head_dim, heads, slots, threads=2)
+    if int8:
+        graph = int8_model(heads, kv_heads, slots, head_dim, half, op="PrefillAttentionInt8")
+    else:
+        graph = attention_model(heads, kv_heads, slots, head_dim, True, half, positions=slots, op="PrefillAttention")
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    model = kernel.onnx_session(graph, options)
+    before = kernel.stats()
+    for position in (0, 191, 700, 2047):  # one chunk, then 4 to 11 (192 float32 slots a chunk, 384 int8)
+        q, k, v, past_k, past_v, cos, sin = operands(rng, heads, kv_heads, slots, head_dim, half)
+        query = np.concatenate([q, k, v], axis=1)
+        if int8:
+            scale = np.full((1, kv_heads, 1, head_dim), 0.02, np.float32)
+            past_k, past_v = (rng.integers(-127, 128, past_k.shape).astype(np.int8) for _ in range(2))
+            feed = {"query": query[None], "past_key": past_k, "past_value": past_v, "cos": cos, "sin": sin,
+                    "seqlens_k": np.array([position], np.int32), "k_scale": scale, "v_scale": scale}
+        else:
+            feed = feeds(q, k, v, past_k, past_v, position, cos, sin, True)
+        out, present_k, present_v = model.run(None, feed)
+        keys, values = (present_k * 0.02, present_v * 0.02) if int8 else (present_k, present_v)
+        q_rot = rotate_half(q.reshape(heads, head_dim), cos[position], sin[position]).reshape(1, -1)
+        want, _, _ = numpy_step(q_rot, keys[0, :, position].reshape(1, -1), values[0, :, position].reshape(1, -1),
+                                keys, values, position, None, None, -1, 0.125)
+        np.testing.assert_allclose(out[0], want, rtol=2e-4, atol=2e-3 * 127 * 0.02 if int8 else 2e-5)
+    done = kernel.stats() - before
+    assert done.calls == 4 and done.chunks == (1 + 1 + 2 + 6 if int8 else 1 + 1 + 4 + 11)
+    for _ in range(30):  # back to back, as a model's layers call it: the pool's worker takes chunks
+        model.run(None, feed)
+    done = kernel.stats() - before
+    assert done.helper_chunks == 0
+    assert (done.pool_chunks > 0) == (threads == 2)
+
+
 def test_a_step_takes_one_token():
     kernel = AttentionKernel(64, 4, 64, threads=1)
     model = session(attention_model(4, 2, 64, 64, True, 32, positions=64), kernel)

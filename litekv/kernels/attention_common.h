@@ -173,6 +173,15 @@ typedef struct {
     int numerator_stride;
 } Part;
 
+/* Threads a caller lends for one call's decode chunks, in place of the helper thread (ort_ops.c:
+ * ONNX Runtime's pool, whose worker is awake between the nodes of its session). run(pool, worker,
+ * data) calls worker(data, w) for w = 0 and 1 at once and returns when both have; it returns 0, or
+ * nonzero if it could not run them, and then the caller runs the chunks left itself. */
+typedef struct {
+    int (*run)(void *pool, void (*worker)(void *, size_t), void *data);
+    void *pool;
+} LentThreads;
+
 /* e^x for x <= 0 (a score minus a maximum), 0 below -87: 2^n * 2^f with a degree-6 polynomial
  * for 2^f, f in [-0.5, 0.5], relative error ~2e-7. Plain arithmetic, so loops over it vectorize. */
 INLINE float exp_nonpositive(float x) {

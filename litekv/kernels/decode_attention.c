@@ -113,6 +113,7 @@ typedef struct {
     float *prefill_scratch[2]; /* the caller's and the helper's, made at the first prefill call */
     float *zero_mask;       /* max_slots zeros: the mask of a call given its span (ONNX Runtime's op) */
     int helper_running;
+    const LentThreads *lent; /* the current call's threads in place of the helper (NULL: the helper's) */
     /* What the threads write while the other reads: each on its own cache line, away from the job
      * (a shared line would bounce between the cores on every access to the job's fields). */
     _Alignas(64) atomic_int generation;
@@ -125,6 +126,7 @@ typedef struct {
     /* Counters for litekv_attention_stats: the caller's, then the helper's on its own line. */
     _Alignas(64) uint64_t stat_calls, stat_nanoseconds, stat_chunks;
     _Alignas(64) _Atomic uint64_t stat_helper_chunks, stat_helper_joins, stat_helper_delay_nanoseconds;
+    _Atomic uint64_t stat_lent_chunks; /* chunks a lent thread other than the caller computed */
     char padding[56];
 } State;
 
@@ -459,6 +461,25 @@ static void attend(State *st, Job *job, int slots, float *out) {
 /* Slots per chunk for a cache of this element type. */
 static int chunk_slots(const Job *job) { return int8_codes(job->cache_type) ? CHUNK_SLOTS : FLOAT_CHUNK_SLOTS; }
 
+/* A call's chunks, taken in turn by the threads a caller lends. */
+typedef struct {
+    const Job *job;
+    Part *parts;
+    atomic_int next;
+    int count;
+    pthread_t caller;
+    _Atomic uint64_t *others_chunks; /* counts the chunks threads other than the caller took */
+} LentWork;
+
+static void lent_worker(void *data, size_t worker) {
+    (void)worker;
+    LentWork *work = data;
+    uint64_t taken = 0;
+    for (int i; (i = atomic_fetch_add(&work->next, 1)) < work->count; taken++) attend_part(work->job, &work->parts[i]);
+    if (!pthread_equal(pthread_self(), work->caller))
+        atomic_fetch_add_explicit(work->others_chunks, taken, memory_order_relaxed);
+}
+
 static void compute(State *st, Job *job, int lo, int hi, float *out) {
     const size_t width = (size_t)job->heads * job->head_dim;
     if (lo > hi) {
@@ -480,7 +501,10 @@ static void compute(State *st, Job *job, int lo, int hi, float *out) {
                               st->numerators ? st->numerators + (size_t)i * job->heads * NUMERATOR_STRIDE : NULL,
                               NUMERATOR_STRIDE};
     }
-    if (!st->helper_running) {
+    if (st->lent && count > 1) {
+        LentWork work = {job, st->parts, 0, count, pthread_self(), &st->stat_lent_chunks};
+        if (st->lent->run(st->lent->pool, lent_worker, &work)) lent_worker(&work, 0); /* what they left */
+    } else if (!st->helper_running || st->lent) {
         for (int i = 0; i < count; i++) attend_part(job, &st->parts[i]);
     } else {
         st->job = *job;
@@ -942,7 +966,7 @@ int litekv_attention_int8_dot(void) {
  * chunks, chunks the helper thread computed, calls it joined, and the nanoseconds from the
  * caller's offer to the helper's start summed over those calls. All zero before the first call.
  * Read them between calls: the caller's counters are not atomic. */
-void litekv_attention_stats(const AttentionConfig *cfg, uint64_t out[6]) {
+void litekv_attention_stats(const AttentionConfig *cfg, uint64_t out[7]) {
     State *st = cfg->state;
     out[0] = st ? st->stat_calls : 0;
     out[1] = st ? st->stat_nanoseconds : 0;
@@ -950,6 +974,7 @@ void litekv_attention_stats(const AttentionConfig *cfg, uint64_t out[6]) {
     out[3] = st ? atomic_load_explicit(&st->stat_helper_chunks, memory_order_relaxed) : 0;
     out[4] = st ? atomic_load_explicit(&st->stat_helper_joins, memory_order_relaxed) : 0;
     out[5] = st ? atomic_load_explicit(&st->stat_helper_delay_nanoseconds, memory_order_relaxed) : 0;
+    out[6] = st ? atomic_load_explicit(&st->stat_lent_chunks, memory_order_relaxed) : 0;
 }
 
 /* Stops the helper thread and frees the scratch; call after the compiled model is destroyed. */
@@ -995,11 +1020,12 @@ int litekv_prefill_attention_run(AttentionConfig *cfg, const float *query, const
 /* One decode step's attention over a cache in ONNX Runtime's head-major layout, keys and values
  * [kv_heads][slots][head_dim] (the registration's) of CACHE_F32 floats or CACHE_I8 codes (their
  * static scales folded into the query and the output by the caller), for query rows [heads][D]
- * (RoPE and scale applied), attending to slots lo..hi: out [heads][D]. For ort_ops.c's decode
- * attention ops, which have written the step's row. */
+ * (RoPE and scale applied), attending to slots lo..hi: out [heads][D]. For ort_ops.c's attention
+ * ops, which have written the step's row. Its chunks go to `lent` threads if given (the caller's
+ * pool), else to the helper thread. */
 int litekv_attention_head_major(AttentionConfig *cfg, const float *query, const void *keys, const void *values,
                                 float *out, int heads, int kv_heads, int slots, int head_dim, int lo, int hi,
-                                int cache_type) {
+                                int cache_type, const LentThreads *lent) {
     if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || heads > cfg->num_heads || head_dim != cfg->head_dim ||
         slots <= 0 || lo < 0 || hi < lo || hi >= slots || (cache_type != CACHE_F32 && cache_type != CACHE_I8))
         return STATUS_INVALID_ARGUMENT;
@@ -1010,6 +1036,8 @@ int litekv_attention_head_major(AttentionConfig *cfg, const float *query, const 
     Job job = {query, st->zero_mask, keys, values, NULL, NULL, slots, cache_type,
                cache_type == CACHE_I8 && st->int8_dot, heads, kv_heads, d, d, st->scores, st->max_slots, NULL,
                (size_t)slots * d};
+    st->lent = lent;
     attend_span(st, &job, lo, hi, out);
+    st->lent = NULL;
     return STATUS_OK;
 }

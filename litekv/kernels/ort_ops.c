@@ -138,7 +138,8 @@ typedef struct CustomOp {
 int litekv_linear_run(void *cfg, int format, const float *x, float *y, const void *codes, const uint16_t *block_scales,
                       const int8_t *offsets, const float *row_scales, int tokens, int in, int out, int block);
 int litekv_attention_head_major(void *cfg, const float *query, const void *keys, const void *values, float *out,
-                                int heads, int kv_heads, int slots, int head_dim, int lo, int hi, int cache_type);
+                                int heads, int kv_heads, int slots, int head_dim, int lo, int hi, int cache_type,
+                                const LentThreads *lent);
 
 /* One op of one registration: ONNX Runtime hands `op` back to every callback, so the rest is ours. */
 typedef struct {
@@ -402,6 +403,23 @@ static OrtStatus *prefill_on_pool(const OrtApi *api, void *context, Registration
     return API(api, SLOT_KERNEL_CONTEXT_PARALLEL_FOR,
                OrtStatus * (*)(const void *, void (*)(void *, size_t), size_t, size_t, void *))(
         context, prefill_worker, 2, 2, &work);
+}
+
+/* LentThreads.run on ONNX Runtime's pool: the kernel's workers 0 and 1 as the pool's two tasks. */
+typedef struct {
+    const OrtApi *api;
+    void *context;
+} PoolOfCall;
+
+static int run_on_pool(void *pool, void (*worker)(void *, size_t), void *data) {
+    const PoolOfCall *call = pool;
+    OrtStatus *status = API(call->api, SLOT_KERNEL_CONTEXT_PARALLEL_FOR,
+                            OrtStatus * (*)(const void *, void (*)(void *, size_t), size_t, size_t, void *))(
+        call->context, worker, 2, 2, data);
+    if (!status) return 0;
+    /* the kernel then computes what the pool left on this thread: the output is still whole */
+    API(call->api, SLOT_RELEASE_STATUS, void (*)(OrtStatus *))(status);
+    return 1;
 }
 
 /* sum = x + skip (skip NULL: x); normed = sum / sqrt(mean(sum^2) + epsilon) * weight, per row of `in`. */
@@ -675,10 +693,16 @@ static OrtStatus *attention_compute(const Kernel *kernel, void *context) {
             }
         }
         if (tokens == 1) {
+            /* DecodeAttention lives in a step graph whose session has one thread and whose other
+             * ops (litekv's linears) share work with the kernel's helper thread; PrefillAttention in
+             * a session with a pool of its own, whose worker spins between nodes: its one-token
+             * calls take that worker, not the helper, which would wait for the core it holds. */
+            PoolOfCall call = {api, context};
+            const LentThreads pool = {run_on_pool, &call};
             const int64_t lo = kernel->window ? last - kernel->window + 1 : 0;
             status = litekv_attention_head_major(op->config, rotated, present_k, present_v, out, (int)heads,
                                                  (int)kv_heads, (int)slots, (int)head_dim, lo > 0 ? (int)lo : 0,
-                                                 (int)last, int8 ? CACHE_I8 : CACHE_F32);
+                                                 (int)last, int8 ? CACHE_I8 : CACHE_F32, prefill ? &pool : NULL);
             if (int8 && status == 0) unscale_values(out, vs, 1, heads, group, head_dim);
         } else {
             const PrefillJob job = {rotated, NULL, present_k, present_v, NULL, NULL, out, int8 ? CACHE_I8 : CACHE_F32,
