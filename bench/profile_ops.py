@@ -3,10 +3,12 @@
 LiteRT: the compiled model is created with profiling enabled (runtime option `enable_profiling`)
 and LiteRtGetProfileSummary's per-op-type table is parsed. ONNX Runtime: the session writes its
 JSON trace (`enable_profiling`) and the node events of the measured runs are summed per op type.
-Both profile `--steps` decode steps at the same live context after a warm-up; profiling adds a
-little time per op, so use the shares, not the absolute figures, and bench/compare.py for speed.
+Both profile `--steps` decode steps at the same live context after a warm-up (ONNX with
+`--prefill N`: prefills of N tokens instead); profiling adds a little time per op, so use the
+shares, not the absolute figures, and bench/compare.py for speed.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/profile_ops.py [--quantize int8] [--live 256]
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/profile_ops.py --backend onnx --quantize int4 --prefill 256
 """
 from __future__ import annotations
 
@@ -84,8 +86,12 @@ def litert_breakdown(bundle: Path, live: int, steps: int, threads: int) -> dict[
     return result
 
 
-def onnx_breakdown(bundle: Path, live: int, steps: int, threads: int) -> dict[str, tuple[float, int]]:
+def onnx_breakdown(bundle: Path, live: int, steps: int, threads: int, prefill: int = 0) -> dict[str, tuple[float, int]]:
+    """op type -> (ms, calls) per decode step at `live` tokens or, with `prefill`, per prefill of
+    that many tokens into an empty cache (the model graph's session, in chunks of PREFILL_CHUNK)."""
     import onnxruntime as ort
+
+    from litekv.executor.onnx_executor import PREFILL_CHUNK
 
     prefix = Path(tempfile.mkdtemp()) / "ort"
     original = ort.SessionOptions
@@ -101,10 +107,16 @@ def onnx_breakdown(bundle: Path, live: int, steps: int, threads: int) -> dict[st
         ex = open_executor(bundle, threads=threads)
     finally:
         ort.SessionOptions = original
-    _decode_steps(ex, _prefilled(ex, live), live, 3 + steps)
-    events = json.loads(Path(ex.decode_session.end_profiling()).read_text())
+    if prefill:
+        for _ in range(3 + steps):
+            _prefilled(ex, prefill + 1)
+        session, runs_each = ex.session, -(-prefill // PREFILL_CHUNK)
+    else:
+        _decode_steps(ex, _prefilled(ex, live), live, 3 + steps)
+        session, runs_each = ex.decode_session, 1
+    events = json.loads(Path(session.end_profiling()).read_text())
     runs = [e for e in events if e.get("name") == "model_run"]
-    first = runs[-steps]["ts"]
+    first = runs[-steps * runs_each]["ts"]
     total, calls = collections.Counter(), collections.Counter()
     for e in events:
         if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= first:
@@ -123,6 +135,8 @@ def main() -> None:
                         help="KV cache precision (default: the converter's: fp32 on ONNX; on LiteRT int8 with "
                         "int4 weights, else fp16)")
     parser.add_argument("--backend", choices=("litert", "onnx", "both"), default="both")
+    parser.add_argument("--prefill", type=int, default=0,
+                        help="ONNX: profile prefills of this many tokens instead of decode steps")
     parser.add_argument("--decode-linears", choices=("graph", "kernel"), default=None,
                         help="the decode step's quantized linears in the runtime's own ops (XNNPACK, MatMulNBits) or "
                              "litekv's kernels (default: the converter's)")
@@ -132,13 +146,20 @@ def main() -> None:
             continue
         linears = args.decode_linears
         bundle = smollm2_bundle(backend, args.quantize, kv_cache=args.kv_cache, decode_linears=linears)
-        ops = breakdown(bundle, args.live, args.steps, args.threads)
+        if args.prefill and backend == "onnx":
+            ops, what = onnx_breakdown(bundle, args.live, args.steps, args.threads, args.prefill), \
+                f"one prefill of {args.prefill} tokens"
+        elif args.prefill:
+            continue  # LiteRT's profiler here covers decode steps only
+        else:
+            ops, what = breakdown(bundle, args.live, args.steps, args.threads), \
+                f"one decode step at {args.live} live tokens"
         total = sum(ms for ms, _ in ops.values())
         rows = [[op, calls, f"{ms:.3f}", f"{100 * ms / total:.1f}%"]
                 for op, (ms, calls) in sorted(ops.items(), key=lambda kv: -kv[1][0]) if ms >= 0.005]
-        print(f"\n{backend} {args.quantize}, {read_manifest(bundle).kv_dtype} KV cache, one decode step at {args.live} live tokens "
+        print(f"\n{backend} {args.quantize}, {read_manifest(bundle).kv_dtype} KV cache, {what} "
               f"({total:.2f} ms inside ops, profiled):")
-        print(markdown_table(["op", "calls per step", "ms per step", "share"], rows))
+        print(markdown_table(["op", "calls per run", "ms per run", "share"], rows))
 
 
 if __name__ == "__main__":
