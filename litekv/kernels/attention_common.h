@@ -212,6 +212,8 @@ typedef struct {
     /* No mask: causal, token t at slot first + t sees slots first + t - window + 1 .. first + t
      * (window 0: from slot 0), as ONNX Runtime's op computes it rather than reading a mask */
     int first, window;
+    const float *out_scales; /* [KVH][D]: each output row times its KV head's (an int8 cache's static
+                                value scales, on codes weighed as they are); NULL: none */
 } PrefillJob;
 
 int prefill_tasks(const PrefillJob *job);

@@ -231,10 +231,14 @@ INLINE float row_numerators(const PrefillJob *job, const Tile *t, int r, float *
                     memcpy(acc + (size_t)(r0 + i) * D, a[i], sizeof a[i]);                               \
             }                                                                                            \
         }                                                                                                \
+        const float *os = job->out_scales ? job->out_scales + (size_t)t->kv * D : NULL;                  \
         for (int r = 0; r < t->rows; r++) {                                                              \
             float *o = out_row(job, t, r);                                                               \
             const float scale = sums[r] > 0.0f ? 1.0f / sums[r] : 0.0f;                                  \
-            for (int d = 0; d < D; d++) o[d] = acc[(size_t)r * D + d] * scale;                           \
+            if (os)                                                                                      \
+                for (int d = 0; d < D; d++) o[d] = acc[(size_t)r * D + d] * scale * os[d];               \
+            else                                                                                         \
+                for (int d = 0; d < D; d++) o[d] = acc[(size_t)r * D + d] * scale;                       \
         }                                                                                                \
     }
 
@@ -262,7 +266,8 @@ INLINE void task_any(const PrefillJob *job, const Tile *t, float *scratch) {
             const float w = scratch[i] * row_scale(job->value_scales, job->slots, t->kv, t->lo + i);
             for (int j = 0; j < d; j++) o[j] += w * element(job->values, v + j, job->cache_type);
         }
-        for (int j = 0; j < d; j++) o[j] *= scale;
+        const float *os = job->out_scales ? job->out_scales + (size_t)t->kv * d : NULL;
+        for (int j = 0; j < d; j++) o[j] *= os ? scale * os[j] : scale;
     }
 }
 
