@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The whole comparison in one command: sets up every peer (idempotent; the first run builds
 # llama.cpp from source and exports the peer models, ~25 min in all; later runs skip straight
-# to measuring), then runs bench/compare.py and bench/step_vs_context.py.
+# to measuring), then runs bench/compare.py, bench/pairs.py and bench/step_vs_context.py.
 #
 #   bash bench/compare.sh [compare.py options, e.g. --rounds 5 or --only "litekv,llama.cpp"]
 #
-# Results: bench/results/compare.md, compare_tok_s.png, step_vs_context.png.
+# Results: bench/results/compare.md, pairs.md, compare_tok_s.png, step_vs_context.png.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,4 +22,5 @@ bench/peers/.venv-litertlm/bin/python bench/peers/make_litertlm_models.py
 
 # OpenBLAS settings tuned for the test machine are left out of the measurements only.
 env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/compare.py "$@"
+env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/pairs.py
 env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/step_vs_context.py

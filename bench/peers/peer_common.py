@@ -8,6 +8,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 PREFILL_LENGTHS = (256, 1024)
 TTFT_PROMPT = 256      # time to first token is measured on the 256-token prompt
@@ -58,3 +59,36 @@ def report(result: dict, name: str | None = None) -> None:
     if name:
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / f"{name}.json").write_text(line + "\n")
+
+
+def serve(measures: dict[str, Callable[[], float]]) -> None:
+    """Pair mode, for bench/pairs.py: with the model loaded, answers each line on stdin that names a
+    measure (a key of `measures`, each returning tokens/s of one run) with one JSON line, until an
+    empty line or the end of input. Waiting on stdin, the process takes no CPU from the system
+    measured beside it, so two runners can take turns within seconds of each other."""
+    print(json.dumps({"ready": sorted(measures)}))
+    sys.stdout.flush()
+    for line in sys.stdin:
+        name = line.strip()
+        if not name:
+            break
+        if name in measures:
+            reply = {"measure": name, "tok_s": measures[name]()}
+        else:
+            reply = {"measure": name, "error": f"unknown measure; choose one of {sorted(measures)}"}
+        print(json.dumps(reply))
+        sys.stdout.flush()
+
+
+def add_serve_flag(parser) -> None:
+    parser.add_argument("--serve", action="store_true",
+                        help="pair mode (bench/pairs.py): load once, then answer measures named on stdin")
+
+
+def serve_timings(decode_seconds: Callable[[], float], prefill_seconds: Callable[[int], float]) -> None:
+    """serve() with the measures every runner offers: "decode", DECODE_TOKENS new tokens after a
+    DECODE_PROMPT-token prompt (decode_seconds() times them), and "prefill_N" for each of
+    PREFILL_LENGTHS (prefill_seconds(N) times one prefill of the runner's fixed N-token prompt)."""
+    decode_seconds()  # warm-up
+    serve({"decode": lambda: DECODE_TOKENS / decode_seconds(),
+           **{f"prefill_{n}": (lambda n=n: n / prefill_seconds(n)) for n in PREFILL_LENGTHS}})

@@ -23,8 +23,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/common.py
 
 from common import smollm2_bundle  # noqa: E402
-from peer_common import (DECODE_PROMPT, DECODE_TOKENS, PREFILL_LENGTHS, TTFT_PROMPT, current_rss_mb,  # noqa: E402
-                         fixed_tokens, median_of, peak_rss_mb, report)
+from peer_common import (DECODE_PROMPT, DECODE_TOKENS, PREFILL_LENGTHS, TTFT_PROMPT, add_serve_flag,  # noqa: E402
+                         current_rss_mb, fixed_tokens, median_of, peak_rss_mb, report, serve_timings, timed)
 
 import litekv  # noqa: E402
 
@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--passage", type=Path, default=None, help="passage.json: also report passage_argmax")
     parser.add_argument("--save", default=None, help="also write results/NAME.json")
+    add_serve_flag(parser)
     args = parser.parse_args()
 
     bundle = smollm2_bundle(args.backend, args.quantize, kv_cache=args.kv_cache, lm_head=args.lm_head,
@@ -69,6 +70,21 @@ def main() -> None:
         ex.prefill(tokens, cache)
         return cache
 
+    decode_tokens = fixed_tokens(DECODE_PROMPT)
+
+    def decode_once() -> float:
+        cache = prefill(decode_tokens[:-1])
+        token = decode_tokens[-1]
+        start = time.perf_counter()
+        for _ in range(DECODE_TOKENS):
+            token = int(np.argmax(ex.step([token], cache)[0]))
+        return time.perf_counter() - start
+
+    if args.serve:
+        prompts = {n: fixed_tokens(n) for n in PREFILL_LENGTHS}
+        serve_timings(decode_once, lambda n: timed(lambda: prefill(prompts[n])))
+        return
+
     result = {"peer": "litekv", "version": litekv.__version__, "backend": args.backend, "quantize": args.quantize,
               "kv_cache": args.kv_cache, "lm_head": args.lm_head, "decode_linears": args.decode_linears,
               "model": bundle.name, "threads": args.threads, "repeats": args.repeats,
@@ -83,16 +99,6 @@ def main() -> None:
         cache = prefill(ttft_tokens[:-1])
         return int(np.argmax(ex.step(ttft_tokens[-1:], cache)[0]))
     result["ttft_ms"] = 1e3 * median_of(first_token, args.repeats)
-
-    decode_tokens = fixed_tokens(DECODE_PROMPT)
-
-    def decode_once() -> float:
-        cache = prefill(decode_tokens[:-1])
-        token = decode_tokens[-1]
-        start = time.perf_counter()
-        for _ in range(DECODE_TOKENS):
-            token = int(np.argmax(ex.step([token], cache)[0]))
-        return time.perf_counter() - start
 
     def sample_tokens_once() -> float:
         cache = prefill(decode_tokens[:-1])

@@ -61,8 +61,8 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from peer_common import (DECODE_PROMPT, DECODE_TOKENS, PREFILL_LENGTHS, TTFT_PROMPT, current_rss_mb,
-                         fixed_tokens, median_of, peak_rss_mb, report)
+from peer_common import (DECODE_PROMPT, DECODE_TOKENS, PREFILL_LENGTHS, TTFT_PROMPT, add_serve_flag,
+                         current_rss_mb, fixed_tokens, median_of, peak_rss_mb, report, serve_timings)
 
 import litert_lm
 
@@ -161,6 +161,7 @@ def main() -> None:
     parser.add_argument("--save", default=None, help="also write results/NAME.json")
     parser.add_argument("--passage", type=Path, default=None, help="passage.json: adds passage_argmax")
     parser.add_argument("--passage-positions", type=int, default=200)
+    add_serve_flag(parser)
     args = parser.parse_args()
 
     litert_lm.set_min_log_severity(litert_lm.LogSeverity.ERROR)
@@ -190,6 +191,17 @@ def main() -> None:
         prompts[n] = exact_prompt(engine, n)
     result["prompt_ids_shared_with_fixed"] = {
         str(n): sum(a == b for a, b in zip(ids, fixed_tokens(n))) for n, (_, ids) in prompts.items()}
+
+    if args.serve:
+        def decode_seconds() -> float:
+            """DECODE_TOKENS steps: T(DECODE_TOKENS + 1 tokens) - T(1 token), as below."""
+            _, one, _ = runner.prefill_then_decode(prompts[DECODE_PROMPT][0], 1, "ttft")
+            _, many, count = runner.prefill_then_decode(prompts[DECODE_PROMPT][0], DECODE_TOKENS + 1, "decode")
+            return (many - one) * DECODE_TOKENS / (count - 1)
+
+        serve_timings(decode_seconds, lambda n: runner.prefill(prompts[n][0], n))
+        engine.close()
+        return
 
     for n in PREFILL_LENGTHS:
         text = prompts[n][0]

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from peer_common import (DECODE_PROMPT, DECODE_TOKENS, PREFILL_LENGTHS, TTFT_PROMPT, current_rss_mb,
-                         fixed_tokens, median_of, peak_rss_mb, report)
+from peer_common import (DECODE_PROMPT, DECODE_TOKENS, PREFILL_LENGTHS, TTFT_PROMPT, add_serve_flag,
+                         current_rss_mb, fixed_tokens, median_of, peak_rss_mb, report, serve_timings, timed)
 
 
 def main() -> None:
@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--passage", type=Path, default=None, help="passage.json: also report passage_argmax")
     parser.add_argument("--save", default=None, help="also write results/NAME.json")
+    add_serve_flag(parser)
     args = parser.parse_args()
 
     import llama_cpp
@@ -60,6 +61,23 @@ def main() -> None:
         # With logits_all=False, Llama.eval keeps no logits in llm.scores; read the context's last row.
         return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))
 
+    decode_tokens = fixed_tokens(DECODE_PROMPT, vocab)
+
+    def decode_once() -> float:
+        prefill(decode_tokens)
+        token = int(np.argmax(last_logits()))
+        start = time.perf_counter()
+        for _ in range(DECODE_TOKENS):
+            llm.eval([token])
+            token = int(np.argmax(last_logits()))
+        return time.perf_counter() - start
+
+    if args.serve:
+        prompts = {n: fixed_tokens(n, vocab) for n in PREFILL_LENGTHS}
+        serve_timings(decode_once, lambda n: timed(lambda: prefill(prompts[n])))
+        llm.close()
+        return
+
     result = {"peer": "llama.cpp", "version": llama_cpp.__version__, "model": args.model.name,
               "threads": args.threads, "n_batch": 1024, "repeats": args.repeats,
               "load_s": load_times[len(load_times) // 2]}
@@ -73,17 +91,6 @@ def main() -> None:
         prefill(ttft_tokens)
         return int(np.argmax(last_logits()))
     result["ttft_ms"] = 1e3 * median_of(first_token, args.repeats)
-
-    decode_tokens = fixed_tokens(DECODE_PROMPT, vocab)
-
-    def decode_once() -> float:
-        prefill(decode_tokens)
-        token = int(np.argmax(last_logits()))
-        start = time.perf_counter()
-        for _ in range(DECODE_TOKENS):
-            llm.eval([token])
-            token = int(np.argmax(last_logits()))
-        return time.perf_counter() - start
 
     decode_once()  # warm-up
     times = sorted(decode_once() for _ in range(args.repeats))

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from peer_common import (DECODE_PROMPT, DECODE_TOKENS, PREFILL_LENGTHS, TTFT_PROMPT, current_rss_mb,
-                         fixed_tokens, median_of, peak_rss_mb, report)
+from peer_common import (DECODE_PROMPT, DECODE_TOKENS, PREFILL_LENGTHS, TTFT_PROMPT, add_serve_flag,
+                         current_rss_mb, fixed_tokens, median_of, peak_rss_mb, report, serve_timings, timed)
 
 MAX_LENGTH = 2048  # KV cache capacity (past_present_share_buffer: allocated once per Generator)
 
@@ -42,6 +42,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--passage", type=Path, default=None, help="passage.json: also report passage_argmax")
     parser.add_argument("--save", default=None, help="also write results/NAME.json")
+    add_serve_flag(parser)
     args = parser.parse_args()
 
     import onnxruntime
@@ -76,21 +77,11 @@ def main() -> None:
     def ids(n: int) -> np.ndarray:
         return np.array(fixed_tokens(n, vocab), dtype=np.int32)
 
-    result = {"peer": "onnxruntime-genai", "version": og.__version__, "onnxruntime": onnxruntime.__version__,
-              "model": args.model.name, "threads": args.threads, "session_options": session_options,
-              "max_length": MAX_LENGTH, "repeats": args.repeats, "load_s": load_times[len(load_times) // 2]}
-    for n in PREFILL_LENGTHS:
-        tokens = ids(n)
-        result[f"prefill_{n}_tok_s"] = n / median_of(lambda tokens=tokens: prefill(tokens), args.repeats)
-
     def start(tokens: np.ndarray) -> int:
         """Prefill, then the first greedy token: argmax of the prefill's last logits (no forward)."""
         prefill(tokens)
         generator.generate_next_token()
         return int(generator.get_next_tokens()[0])
-
-    ttft_tokens = ids(TTFT_PROMPT)
-    result["ttft_ms"] = 1e3 * median_of(lambda: start(ttft_tokens), args.repeats)
 
     decode_tokens = ids(DECODE_PROMPT)
 
@@ -102,6 +93,21 @@ def main() -> None:
         elapsed = time.perf_counter() - begin
         assert generator.token_count() == DECODE_PROMPT + 1 + DECODE_TOKENS
         return elapsed
+
+    if args.serve:
+        prompts = {n: ids(n) for n in PREFILL_LENGTHS}
+        serve_timings(decode_once, lambda n: timed(lambda: prefill(prompts[n])))
+        return
+
+    result = {"peer": "onnxruntime-genai", "version": og.__version__, "onnxruntime": onnxruntime.__version__,
+              "model": args.model.name, "threads": args.threads, "session_options": session_options,
+              "max_length": MAX_LENGTH, "repeats": args.repeats, "load_s": load_times[len(load_times) // 2]}
+    for n in PREFILL_LENGTHS:
+        tokens = ids(n)
+        result[f"prefill_{n}_tok_s"] = n / median_of(lambda tokens=tokens: prefill(tokens), args.repeats)
+
+    ttft_tokens = ids(TTFT_PROMPT)
+    result["ttft_ms"] = 1e3 * median_of(lambda: start(ttft_tokens), args.repeats)
 
     decode_once()  # warm-up
     times = sorted(decode_once() for _ in range(args.repeats))

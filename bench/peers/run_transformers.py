@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from peer_common import (DECODE_PROMPT, DECODE_TOKENS, PREFILL_LENGTHS, TTFT_PROMPT, current_rss_mb,
-                         fixed_tokens, median_of, peak_rss_mb, report, timed)
+from peer_common import (DECODE_PROMPT, DECODE_TOKENS, PREFILL_LENGTHS, TTFT_PROMPT, add_serve_flag,
+                         current_rss_mb, fixed_tokens, median_of, peak_rss_mb, report, serve_timings, timed)
 
 
 def default_model() -> Path:
@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--passage", type=Path, default=None, help="passage.json: also report passage_argmax")
     parser.add_argument("--save", default=None, help="also write results/NAME.json")
+    add_serve_flag(parser)
     args = parser.parse_args()
     model_path = (args.model or default_model()).resolve()
     torch.set_num_threads(args.threads)
@@ -65,6 +66,24 @@ def main() -> None:
         out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1], out.past_key_values
 
+    decode_ids = torch.tensor([fixed_tokens(DECODE_PROMPT, vocab)])
+
+    @torch.inference_mode()
+    def decode_once() -> float:
+        logits, cache = prefill(decode_ids)
+        token = torch.argmax(logits).view(1, 1)
+        start = time.perf_counter()
+        for _ in range(DECODE_TOKENS):
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            token = torch.argmax(out.logits[0, -1]).view(1, 1)
+        return time.perf_counter() - start
+
+    if args.serve:
+        prompts = {n: torch.tensor([fixed_tokens(n, vocab)]) for n in PREFILL_LENGTHS}
+        serve_timings(decode_once, lambda n: timed(lambda: prefill(prompts[n])))
+        return
+
     result = {"peer": "transformers", "version": transformers.__version__, "torch": torch.__version__,
               "model": model_path.name, "dtype": "float32", "threads": args.threads,
               "attn_implementation": model.config._attn_implementation, "repeats": args.repeats,
@@ -79,19 +98,6 @@ def main() -> None:
         logits, _ = prefill(ids)
         return int(torch.argmax(logits))
     result["ttft_ms"] = 1e3 * median_of(first_token, args.repeats)
-
-    decode_ids = torch.tensor([fixed_tokens(DECODE_PROMPT, vocab)])
-
-    @torch.inference_mode()
-    def decode_once() -> float:
-        logits, cache = prefill(decode_ids)
-        token = torch.argmax(logits).view(1, 1)
-        start = time.perf_counter()
-        for _ in range(DECODE_TOKENS):
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            token = torch.argmax(out.logits[0, -1]).view(1, 1)
-        return time.perf_counter() - start
 
     decode_once()  # warm-up
     times = sorted(decode_once() for _ in range(args.repeats))

@@ -1,0 +1,210 @@
+"""The targets measured in pairs: a litekv bundle and a peer, both loaded, take turns seconds apart.
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/pairs.py [--turns 7] [--only SUBSTR,...]
+
+compare.py runs each system in a fresh process per round, one after another, so a litekv bundle
+and its peer are measured minutes apart, and this machine's read rate moves by up to 1.8x within
+an hour (bench/PERFORMANCE.md): a round's ratio then carries the drift between the two runs. Here
+every runner of a pair is started once in serve mode (bench/peers/peer_common.serve) and they
+alternate one measure at a time, in the order A B, B A, A B, ... (so neither always runs first);
+each turn gives one ratio from runs a few seconds apart, and the median over turns is reported
+with its spread. A runner waiting for its turn sits on a read of stdin; the CPU time every other
+runner used during each measurement is recorded, to show that it was none.
+
+Pairs: each default litekv bundle (LiteRT and ONNX Runtime; fp32, int8, int4) with every peer of
+its precision class, on the measures the issue sets targets on: decode tok/s (against the peers
+named in compare.TARGETS) and prefill tok/s at 256 and 1,024 tokens (against each peer of the
+class; the target is the best of them). Writes bench/results/pairs.md and pairs.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from common import RESULTS, markdown_table
+from compare import ROOT, TARGETS, System, systems
+
+MEASURES = ("decode", "prefill_256", "prefill_1024")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+class Runner:
+    """One system's runner in serve mode: loaded once, measured on request."""
+
+    def __init__(self, system: System, threads: int, log_dir: Path):
+        env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench" / "peers"), str(ROOT / "bench"),
+                                             env.get("PYTHONPATH", "")])
+        self.system = system
+        self.log = log_dir / (system.name.replace(" ", "_").replace("/", "_") + ".log")
+        argv = [str(system.python), *system.argv, "--threads", str(threads), "--repeats", "1", "--serve"]
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log.open("w"), text=True, bufsize=1)
+        self._reply()  # {"ready": [...]} once the model is loaded and warmed up
+
+    def _reply(self) -> dict:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                tail = "\n".join(self.log.read_text().strip().splitlines()[-15:])
+                raise RuntimeError(f"{self.system.name} stopped (exit {self.proc.wait()}):\n{tail}")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def measure(self, name: str) -> float:
+        self.proc.stdin.write(name + "\n")
+        self.proc.stdin.flush()
+        reply = self._reply()
+        if "error" in reply:
+            raise RuntimeError(f"{self.system.name}: {reply['error']}")
+        return reply["tok_s"]
+
+    def cpu_seconds(self) -> float:
+        """User and system CPU time of the whole process (every thread) so far."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("\n")
+            self.proc.stdin.flush()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@dataclass
+class Pair:
+    litekv: System
+    peer: System
+    measures: tuple[str, ...]
+
+
+def pairs(chosen: list[System]) -> list[Pair]:
+    """Each default litekv bundle with each peer of its class: decode where compare.TARGETS names
+    the peer, prefill with every peer of the class (the target is the best one)."""
+    decode_peers = {(cls, peer) for cls, peer, key, _ in TARGETS if key == "decode_tok_s"}
+    peers = [s for s in chosen if not s.litekv]
+    out = []
+    for s in (s for s in chosen if s.litekv and s.default):
+        for p in (p for p in peers if p.precision_class == s.precision_class):
+            decode = ("decode",) if (s.precision_class, p.name) in decode_peers else ()
+            out.append(Pair(s, p, (*decode, "prefill_256", "prefill_1024")))
+    return out
+
+
+def run_pair(pair: Pair, runners: dict[str, Runner], turns: int) -> dict:
+    """Alternates the two runners `turns` times over every measure of the pair; ratios per turn."""
+    a, b = runners[pair.litekv.name], runners[pair.peer.name]
+    result = {}
+    for measure in pair.measures:
+        rows = []
+        for turn in range(turns):
+            order = (a, b) if turn % 2 == 0 else (b, a)
+            got, idle_cpu = {}, 0.0
+            for runner in order:
+                others = [r for r in runners.values() if r is not runner]
+                before = sum(r.cpu_seconds() for r in others)
+                got[runner] = runner.measure(measure)
+                idle_cpu = max(idle_cpu, sum(r.cpu_seconds() for r in others) - before)
+            rows.append({"litekv": got[a], "peer": got[b], "ratio": got[a] / got[b], "idle_cpu_s": idle_cpu})
+        ratios = [r["ratio"] for r in rows]
+        result[measure] = {"turns": rows, "ratio": statistics.median(ratios), "low": min(ratios),
+                           "high": max(ratios), "litekv_tok_s": statistics.median(r["litekv"] for r in rows),
+                           "peer_tok_s": statistics.median(r["peer"] for r in rows),
+                           "idle_cpu_s": max(r["idle_cpu_s"] for r in rows)}
+        print(f"{pair.litekv.name} / {pair.peer.name} {measure}: {result[measure]['ratio']:.3f} "
+              f"({result[measure]['low']:.3f}-{result[measure]['high']:.3f})", file=sys.stderr, flush=True)
+    return result
+
+
+def targets(results: dict[str, dict[str, dict]], chosen: list[System]) -> list[list]:
+    """One row per target: decode against each named peer, prefill against the best peer of the class."""
+    minimum = {(cls, peer): m for cls, peer, key, m in TARGETS if key == "decode_tok_s"}
+    rows = []
+    for s in (s for s in chosen if s.litekv and s.default):
+        mine = {peer: r for key, r in results.items() if key.startswith(s.name + " / ")
+                for peer in [key.split(" / ", 1)[1]]}
+        for peer, r in mine.items():
+            if "decode" in r:
+                m = minimum[(s.precision_class, peer)]
+                d = r["decode"]
+                rows.append([s.shown, peer, "decode", f">= {m}", f"{d['ratio']:.3f}", f"{d['low']:.2f}-{d['high']:.2f}",
+                             "met" if d["ratio"] >= m else "not met"])
+        for measure in ("prefill_256", "prefill_1024"):
+            measured = {peer: r[measure] for peer, r in mine.items() if measure in r}
+            if not measured:
+                continue
+            best = max(measured, key=lambda peer: measured[peer]["peer_tok_s"])
+            d = measured[best]
+            rows.append([s.shown, f"best: {best}", measure, ">= 1.0", f"{d['ratio']:.3f}",
+                         f"{d['low']:.2f}-{d['high']:.2f}", "met" if d["ratio"] >= 1.0 else "not met"])
+    return rows
+
+
+def report(results: dict[str, dict[str, dict]], chosen: list[System], turns: int, threads: int) -> str:
+    rows = [[key, measure, f"{r['litekv_tok_s']:.1f}", f"{r['peer_tok_s']:.1f}", f"{r['ratio']:.3f}",
+             f"{r['low']:.3f}-{r['high']:.3f}", f"{r['idle_cpu_s']:.2f}"]
+            for key, pair in results.items() for measure, r in pair.items()]
+    return "\n".join([
+        f"# litekv / peer in pairs: SmolLM2-135M-Instruct, {threads} threads, median of {turns} alternating turns",
+        "", time.strftime("%Y-%m-%d %H:%M"), "",
+        "Both runners stay loaded and take turns (A B, B A, ...); each turn's ratio comes from two runs "
+        "seconds apart. The last column is the most CPU time all the waiting runners used together during "
+        "one measurement.", "",
+        "## Targets", "",
+        markdown_table(["litekv", "peer", "figure", "target", "median ratio", "turns' range", ""],
+                       targets(results, chosen)), "",
+        "## Every pair", "",
+        markdown_table(["pair", "measure", "litekv tok/s", "peer tok/s", "median ratio", "range",
+                        "waiting runners' CPU s"], rows), ""])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--turns", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--only", default="", help="comma-separated substrings: keep pairs either of whose "
+                                                   "systems' names contains one")
+    args = parser.parse_args()
+    available = [s for s in systems() if not s.missing()]
+    for s in systems():
+        if s.missing():
+            print(f"skipping {s.name}: not set up ({s.setup})", file=sys.stderr)
+    wanted = [w.strip().lower() for w in args.only.split(",") if w.strip()]
+    chosen_pairs = [p for p in pairs(available)
+                    if not wanted or any(w in p.litekv.name.lower() or w in p.peer.name.lower() for w in wanted)]
+    log_dir = RESULTS / "pairs-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    runners: dict[str, Runner] = {}
+    results: dict[str, dict[str, dict]] = {}
+    try:
+        for pair in chosen_pairs:
+            for s in (pair.litekv, pair.peer):
+                if s.name not in runners:
+                    print(f"loading {s.name}", file=sys.stderr, flush=True)
+                    runners[s.name] = Runner(s, args.threads, log_dir)
+            results[f"{pair.litekv.name} / {pair.peer.name}"] = run_pair(pair, runners, args.turns)
+    finally:
+        for runner in runners.values():
+            runner.close()
+    chosen = [s for s in available if s.name in runners]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "pairs.json").write_text(json.dumps({"threads": args.threads, "turns": args.turns,
+                                                    "results": results}, indent=1))
+    text = report(results, chosen, args.turns, args.threads)
+    (RESULTS / "pairs.md").write_text(text)
+    print(text)
+    print(f"wrote {RESULTS / 'pairs.md'}")
+
+
+if __name__ == "__main__":
+    main()
