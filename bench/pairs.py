@@ -14,7 +14,8 @@ runner used during each measurement is recorded, to show that it was none.
 Pairs: each default litekv bundle (LiteRT and ONNX Runtime; fp32, int8, int4) with every peer of
 its precision class, on the measures the issue sets targets on: decode tok/s (against the peers
 named in compare.TARGETS) and prefill tok/s at 256 and 1,024 tokens (against each peer of the
-class; the target is the best of them). Writes bench/results/pairs.md and pairs.json.
+class; the target is the best of them, the one litekv's ratio is lowest against). Writes
+bench/results/pairs.md and pairs.json; `--report-only` rewrites pairs.md from pairs.json.
 """
 from __future__ import annotations
 
@@ -117,7 +118,8 @@ def run_pair(pair: Pair, runners: dict[str, Runner], turns: int) -> dict:
                 idle_cpu = max(idle_cpu, sum(r.cpu_seconds() for r in others) - before)
             rows.append({"litekv": got[a], "peer": got[b], "ratio": got[a] / got[b], "idle_cpu_s": idle_cpu})
         ratios = [r["ratio"] for r in rows]
-        result[measure] = {"turns": rows, "ratio": statistics.median(ratios), "low": min(ratios),
+        result[measure] = {"when": time.strftime("%Y-%m-%d %H:%M"), "turns": rows,
+                           "ratio": statistics.median(ratios), "low": min(ratios),
                            "high": max(ratios), "litekv_tok_s": statistics.median(r["litekv"] for r in rows),
                            "peer_tok_s": statistics.median(r["peer"] for r in rows),
                            "idle_cpu_s": max(r["idle_cpu_s"] for r in rows)}
@@ -143,7 +145,9 @@ def targets(results: dict[str, dict[str, dict]], chosen: list[System]) -> list[l
             measured = {peer: r[measure] for peer, r in mine.items() if measure in r}
             if not measured:
                 continue
-            best = max(measured, key=lambda peer: measured[peer]["peer_tok_s"])
+            # the best peer is the one litekv leads least: pairs measured minutes apart cannot rank
+            # the peers by their own tok/s, but each ratio holds within its pair
+            best = min(measured, key=lambda peer: measured[peer]["ratio"])
             d = measured[best]
             rows.append([s.shown, f"best: {best}", measure, ">= 1.0", f"{d['ratio']:.3f}",
                          f"{d['low']:.2f}-{d['high']:.2f}", "met" if d["ratio"] >= 1.0 else "not met"])
@@ -152,7 +156,7 @@ def targets(results: dict[str, dict[str, dict]], chosen: list[System]) -> list[l
 
 def report(results: dict[str, dict[str, dict]], chosen: list[System], turns: int, threads: int) -> str:
     rows = [[key, measure, f"{r['litekv_tok_s']:.1f}", f"{r['peer_tok_s']:.1f}", f"{r['ratio']:.3f}",
-             f"{r['low']:.3f}-{r['high']:.3f}", f"{r['idle_cpu_s']:.2f}"]
+             f"{r['low']:.3f}-{r['high']:.3f}", f"{r['idle_cpu_s']:.2f}", r.get("when", "")]
             for key, pair in results.items() for measure, r in pair.items()]
     return "\n".join([
         f"# litekv / peer in pairs: SmolLM2-135M-Instruct, {threads} threads, median of {turns} alternating turns",
@@ -165,7 +169,7 @@ def report(results: dict[str, dict[str, dict]], chosen: list[System], turns: int
                        targets(results, chosen)), "",
         "## Every pair", "",
         markdown_table(["pair", "measure", "litekv tok/s", "peer tok/s", "median ratio", "range",
-                        "waiting runners' CPU s"], rows), ""])
+                        "waiting runners' CPU s", "measured"], rows), ""])
 
 
 def main() -> None:
@@ -173,8 +177,17 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", default="", help="comma-separated substrings: keep pairs either of whose "
-                                                   "systems' names contains one")
+                                                   "systems' names contains one; the other pairs' last results "
+                                                   "stay in pairs.json and pairs.md")
+    parser.add_argument("--report-only", action="store_true", help="rewrite pairs.md from the last pairs.json")
     args = parser.parse_args()
+    if args.report_only:
+        saved = json.loads((RESULTS / "pairs.json").read_text())
+        names = {name for key in saved["results"] for name in key.split(" / ")}
+        text = report(saved["results"], [s for s in systems() if s.name in names], saved["turns"], saved["threads"])
+        (RESULTS / "pairs.md").write_text(text)
+        print(text)
+        return
     available = [s for s in systems() if not s.missing()]
     for s in systems():
         if s.missing():
@@ -196,7 +209,10 @@ def main() -> None:
     finally:
         for runner in runners.values():
             runner.close()
-    chosen = [s for s in available if s.name in runners]
+    if wanted and (RESULTS / "pairs.json").exists():  # a partial run: the other pairs keep their last results
+        results = {**json.loads((RESULTS / "pairs.json").read_text())["results"], **results}
+    names = {name for key in results for name in key.split(" / ")}
+    chosen = [s for s in available if s.name in names]
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "pairs.json").write_text(json.dumps({"threads": args.threads, "turns": args.turns,
                                                     "results": results}, indent=1))
