@@ -423,15 +423,18 @@ static int run_on_pool(void *pool, void (*worker)(void *, size_t), void *data) {
 }
 
 /* sum = x + skip (skip NULL: x); normed = sum / sqrt(mean(sum^2) + epsilon) * weight, per row of `in`. */
-static void rms_norm(const float *x, const float *skip, const float *weight, float epsilon, float *sum, float *normed,
-                     size_t tokens, size_t in) {
+/* (sum may be normed: the residual stream is not wanted.) In each ISA's clone, so the loops
+ * vectorize (this file is built for the baseline ISA). */
+VECTOR_CLONES static void rms_norm(const float *x, const float *skip, const float *weight, float epsilon, float *sum,
+                                   float *normed, size_t tokens, size_t in) {
     for (size_t t = 0; t < tokens; t++) {
         const float *a = x + t * in, *b = skip ? skip + t * in : NULL;
         float *s = sum + t * in, *n = normed + t * in, squares = 0.0f;
-        for (size_t i = 0; i < in; i++) {
-            s[i] = b ? a[i] + b[i] : a[i];
-            squares += s[i] * s[i];
-        }
+        if (b)
+            for (size_t i = 0; i < in; i++) s[i] = a[i] + b[i];
+        else if (s != a)
+            memcpy(s, a, sizeof(float) * in);
+        for (size_t i = 0; i < in; i++) squares += s[i] * s[i];
         const float inverse = 1.0f / sqrtf(squares / (float)in + epsilon);
         for (size_t i = 0; i < in; i++) n[i] = s[i] * inverse * weight[i];
     }
