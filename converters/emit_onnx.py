@@ -49,6 +49,9 @@ class OnnxOps(GraphOps):
         # litekv's linear ops (domain "litekv"): with "kernel", one-row int4 / int8 projections (the
         # LM head), and in the step graph every int4 one; they read the tensors MatMulNBits reads.
         self.kernel_linears = decode_linears == "kernel"
+        # the graph calls litekv's library anyway: an fp32 LM head and a gated MLP's activation
+        # (over the runtime's own projections) run in its ops too
+        self.kernel_ops = self.kernel_linears or self.attention_kernel
         self.step_graph = step_graph
         self.kv_scales = kv_scales  # (keys, values) [layers, KVH, D]: an int8 cache; None: float32 or float16
         self.kv_dtype = "int8" if kv_scales is not None else kv_dtype
@@ -237,23 +240,26 @@ class OnnxOps(GraphOps):
     def activation(self, x: Sym, kind: str) -> Sym:
         out = super().activation(x, kind)
         view = self._views.get(x.ref)
-        if self.step_graph and view is not None and view[2] == 0 and 2 * view[3] == view[1]:
+        if self.kernel_ops and view is not None and view[2] == 0 and 2 * view[3] == view[1]:
             self._gates[out.ref] = (view[0], kind)  # act(the first half of a projection): see mul
         return out
 
     def mul(self, a: Sym, b: Sym) -> Sym:
-        """act(gate) * up, both halves of one LinearInt4's output, as that op's `gate` form: the
-        kernel applies it to its rows, and the two slices, the activation and the product (4 nodes
-        a layer after ONNX Runtime's fusions) leave the step graph."""
+        """act(gate) * up, both halves of one projection's output: in the step graph that
+        LinearInt4's `gate` form (the kernel applies it to its rows), elsewhere litekv's Gate op over
+        the projection. Either way the two slices, the activation and the product (4 nodes a layer
+        after ONNX Runtime's fusions) leave the graph."""
         gate, view = self._gates.get(a.ref), self._views.get(b.ref)
         if gate is not None and view is not None and view[0] == gate[0] and view[2] == view[3]:
             node = next((n for n in self.nodes if gate[0] in n.output), None)
             readers = sum(gate[0] in n.input for n in self.nodes)  # only the two slices, which then go
-            if node is not None and node.op_type == "LinearInt4" and not node.attribute and readers == 2:
-                out = self._name("gated")
-                node.output[0] = out
-                node.attribute.append(helper.make_attribute("gate", GATES.index(gate[1]) + 1))
-                return Sym(out, b.shape)
+            if node is not None and readers == 2:
+                if self.step_graph and node.op_type == "LinearInt4" and not node.attribute:
+                    out = self._name("gated")
+                    node.output[0] = out
+                    node.attribute.append(helper.make_attribute("gate", GATES.index(gate[1]) + 1))
+                    return Sym(out, b.shape)
+                return self._node("Gate", [gate[0]], b.shape, domain=KERNEL_DOMAIN, gate=GATES.index(gate[1]) + 1)
         return super().mul(a, b)
 
     def block_offsets(self, sums: Sym, name: str, offsets: np.ndarray) -> Sym:
@@ -269,6 +275,8 @@ class OnnxOps(GraphOps):
 
     def project(self, x: Sym, name: str, parts: Sequence[str]) -> Sym:
         fmt = self.plan.format_for(name)
+        if fmt == "fp32" and self.kernel_ops and x.shape[-2] == 1:
+            return self._f32_rows(x, name, parts)
         if self.kernel_linears and fmt == "int4" and not (self.step_graph or x.shape[-2] == 1):
             # a chunk: MatMulNBits, then litekv's Int4Offsets adds the offsets' share from the int8
             # offsets LinearInt4 reads (in place of a block-sum matmul, a matmul and an add)
@@ -284,7 +292,21 @@ class OnnxOps(GraphOps):
             q, scales = int8_per_channel(self.stacked(parts))
             inputs = [self._weight(f"{name}.rows", lambda: q), self._weight(f"{name}.scales", lambda: scales)]
         op = "LinearInt4" if fmt == "int4" else "LinearInt8"
-        return self._node(op, [x, *inputs], (*x.shape[:-1], out_dim), domain=KERNEL_DOMAIN)
+        return self._node(op, [x, *inputs], (*x.shape[:-1], out_dim), domain=KERNEL_DOMAIN,
+                          on_pool=int(not self.step_graph))
+
+    def _f32_rows(self, x: Sym, name: str, parts: Sequence[str]) -> Sym:
+        """One row (an LM head's) times an fp32 weight in litekv's LinearF32, which streams W [out, in]
+        at the machine's read rate (ONNX Runtime's MatMul read its packed copy of a 113 MB head at 29
+        GB/s where the kernel reached 33-42). A tied head reads the embedding table the Gather reads:
+        the file no longer holds a transposed copy, nor ONNX Runtime a packed one."""
+        tied = len(parts) == 1 and self.weights.get(parts[0]) is self.weights.get("embed.weight") \
+            and self.plan.embedding == "fp32"
+        weight = (self._weight("embed.weight", lambda: np.asarray(self.weights["embed.weight"], np.float32)) if tied
+                  else self._weight(f"{name}.rows", lambda: self.stacked(parts)))
+        out_dim = sum(self.weights[p].shape[0] for p in parts)
+        return self._node("LinearF32", [x, weight], (*x.shape[:-1], out_dim), domain=KERNEL_DOMAIN,
+                          on_pool=int(not self.step_graph))
 
     def _int8_matmul(self, x: Sym, weight: str, w: np.ndarray, shape: Sequence[int]) -> Sym:
         """x @ W with W int8 per output channel, as DynamicQuantizeMatMul: MLAS's int8 GEMM, as fast
@@ -498,8 +520,7 @@ class OnnxOps(GraphOps):
         self._drop_unused()
         graph = helper.make_graph(self.nodes, f"litekv_{self.cfg.architecture}", self.inputs, self.outputs,
                                   self.initializers)
-        kernel_ops = self.kernel_linears or self.attention_kernel
-        domains = [("", OPSET), ("com.microsoft", 1)] + ([(KERNEL_DOMAIN, 1)] if kernel_ops else [])
+        domains = [("", OPSET), ("com.microsoft", 1)] + ([(KERNEL_DOMAIN, 1)] if self.kernel_ops else [])
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in domains],
                                   producer_name="litekv")
         model.ir_version = IR_VERSION

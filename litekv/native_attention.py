@@ -116,7 +116,8 @@ def _load() -> ctypes.CDLL:
                         lib.litekv_rope_kernel.restype = ctypes.c_int
                         lib.litekv_linear_run.restype = ctypes.c_int
                         lib.litekv_linear_run.argtypes = [ctypes.POINTER(AttentionConfig), ctypes.c_int,
-                                                          *[ctypes.c_void_p] * 6, *[ctypes.c_int] * 4]
+                                                          *[ctypes.c_void_p] * 6, *[ctypes.c_int] * 4,
+                                                          ctypes.c_void_p]  # no lent threads from Python
                         lib.litekv_ort_prepare.argtypes = [ctypes.POINTER(AttentionConfig)]
                         lib.litekv_ort_prepare.restype = None
                         lib.litekv_ort_take.argtypes = []
@@ -143,7 +144,7 @@ class AttentionStats:
     helper_chunks: int   # of those, the ones the helper thread computed (0 with one thread)
     helper_joins: int = 0  # calls the helper took a chunk of
     helper_delay_seconds: float = 0.0  # from the caller's offer to the helper's start, summed over those
-    pool_chunks: int = 0  # chunks a worker of ONNX Runtime's pool computed (one-token PrefillAttention calls)
+    pool_chunks: int = 0  # chunks (and linear tasks) a worker of ONNX Runtime's pool computed, not the caller
 
     def __add__(self, other: AttentionStats) -> AttentionStats:
         return AttentionStats(*(a + b for a, b in zip(astuple(self), astuple(other))))
@@ -316,7 +317,7 @@ class AttentionKernel:
         status = self._lib.litekv_linear_run(ctypes.byref(self.config), LINEAR_OP_NAMES["litekv.linear_int4" if int4
                                                                                         else "litekv.linear_int8"],
                                              *(_pointer(a) for a in (x, y, codes, block_scales, offsets, row_scales)),
-                                             tokens, width, out, block)
+                                             tokens, width, out, block, None)
         if status != 0:
             raise ValueError(f"linear rejected the shapes (status {status})")
         return y

@@ -205,6 +205,81 @@ def test_a_linear_applies_the_norm_before_it(skip, sum_output):
             np.testing.assert_array_equal(got[1], total)
 
 
+@pytest.mark.parametrize("vector", [True, False], ids=["vnni-if-present", "portable"])
+@pytest.mark.parametrize("out_dim, in_dim", [(4099, 576), (7, 70)])
+def test_linear_f32_matches_numpy(vector, out_dim, in_dim):
+    """LinearF32 (an fp32 LM head over W itself, [out, in]) against numpy in float64: one token and
+    three, widths that leave a partial vector and a partial task, plain and after its norm."""
+    rng = np.random.default_rng(out_dim)
+    w = rng.normal(size=(out_dim, in_dim)).astype(np.float32)
+    norm_weight = (rng.random(in_dim) + 0.5).astype(np.float32)
+    kernel = AttentionKernel(16, 4, 64, threads=2, int8_dot=vector)
+    plain = session(op_model("LinearF32", in_dim, out_dim, {"weight": w}), kernel)
+    normed = session(normed_model("LinearF32", in_dim, out_dim, {"weight": w}, norm_weight, False, False), kernel)
+    for tokens in (1, 3):
+        x = rng.normal(size=(tokens, in_dim)).astype(np.float32)
+        want = x.astype(np.float64) @ w.T.astype(np.float64)
+        np.testing.assert_allclose(plain.run(None, {"x": x})[0], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        want = rms_norm(x, norm_weight, 1e-6) @ w.T.astype(np.float64)
+        np.testing.assert_allclose(normed.run(None, {"x": x})[0], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_linear_on_the_pool_shares_its_rows_with_the_sessions_workers(threads):
+    """on_pool=1 (the converter's choice in graphs whose session has a pool): the same result, the
+    rows taken by the session's threads (a worker's share counted in pool_chunks); on_pool=0 leaves
+    them to litekv's helper, so the pool's worker takes none."""
+    rng = np.random.default_rng(4)
+    w = rng.normal(size=(8192, 576)).astype(np.float32)
+    codes8, scales8 = int8_per_channel(w)
+    kernel = AttentionKernel(16, 4, 64, threads=2)
+    x = rng.normal(size=(1, 576)).astype(np.float32)
+    for op, weights, exact in (("LinearF32", {"weight": w}, w),
+                               ("LinearInt8", {"codes": codes8, "scales": scales8}, codes8 * scales8[:, None])):
+        want = x @ exact.T
+        for on_pool in (0, 1):
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = threads
+            model = kernel.onnx_session(op_model(op, 576, len(w), weights, on_pool=on_pool), options)
+            before = kernel.stats()
+            for _ in range(50):  # back to back, as a graph's nodes run: the pool's worker is awake
+                got = model.run(None, {"x": x})[0]
+            np.testing.assert_allclose(got, want, rtol=1e-3, atol=2e-2 * np.abs(want).max())
+            if op == "LinearF32":  # 144 tasks a call, enough for the worker to join every time
+                assert ((kernel.stats() - before).pool_chunks > 0) == (threads == 2 and on_pool == 1)
+    with pytest.raises(Exception, match="on_pool must be 0"):
+        session(op_model("LinearF32", 576, len(w), {"weight": w}, on_pool=2), kernel)
+
+
+def gate_model(width: int, gate: int) -> bytes:
+    node = helper.make_node("Gate", ["x"], ["y"], domain=KERNEL_DOMAIN, gate=gate)
+    graph = helper.make_graph([node], "gate", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", width // 2])])
+    return kernel_model(graph)
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("vector", [True, False], ids=["vnni-if-present", "portable"])
+def test_gate_applies_its_activation_to_the_first_half(gate, vector):
+    """Gate: act(x[:, :h]) * x[:, h:], h = 1536 (SmolLM2's MLP) and 21 (a partial vector)."""
+    rng = np.random.default_rng(5)
+    kernel = AttentionKernel(16, 4, 64, threads=1, int8_dot=vector)
+    act = {"silu": silu, "gelu_tanh": gelu_tanh}[gate]
+    for half in (1536, 21):
+        x = rng.normal(size=(3, 2 * half)).astype(np.float32) * 4
+        got = session(gate_model(2 * half, GATES.index(gate) + 1), kernel).run(None, {"x": x})[0]
+        np.testing.assert_allclose(got, act(x[:, :half].astype(np.float64)) * x[:, half:], rtol=1e-5, atol=1e-5)
+
+
+def test_gate_refuses_an_odd_width_and_unknown_gates():
+    kernel = AttentionKernel(16, 4, 64, threads=1)
+    with pytest.raises(Exception, match="must be even"):
+        session(gate_model(7, 1), kernel).run(None, {"x": np.ones((1, 7), np.float32)})
+    for gate in (0, 3):
+        with pytest.raises(Exception, match="unknown gate"):
+            session(gate_model(8, gate), kernel)
+
+
 def test_norm_inputs_that_disagree_are_refused():
     rng = np.random.default_rng(2)
     inputs, _ = onnx_int4(rng.normal(size=(8, 64)).astype(np.float32))
@@ -329,6 +404,29 @@ def test_the_decode_graph_reads_the_prefill_weights(arch, gate):
     offsets = {n.input[2] for n in prefill_model.graph.node if n.op_type == "Int4Offsets"}
     assert offsets == {n.input[3] for n in model.graph.node if n.op_type == "LinearInt4"}
     assert all(len(t.raw_data) < 1024 for t in model.graph.initializer)  # the rest: shapes, a few constants
+
+
+@pytest.mark.parametrize("arch, tied", [("llama", False), ("llama3", True), ("gemma3", True)])
+def test_an_fp32_bundle_runs_its_head_and_gates_in_litekv_ops(arch, tied):
+    """An fp32 ONNX bundle attends in litekv's ops, so its LM head (one row) is LinearF32 over W
+    [vocab, hidden] itself, and over the embedding table the Gather reads when they are tied (no
+    transposed copy in the file); each gated MLP's activation is one Gate node over the gate/up
+    projection. The conformance suite checks the logits of these bundles against the reference."""
+    from conformance import bundle as conformance_bundle
+
+    path = conformance_bundle(arch, "onnx")
+    manifest = read_manifest(path)
+    model = onnx.load(path / manifest.model_file, load_external_data=False)
+    nodes = {n.op_type: n for n in model.graph.node}
+    counts = op_types(path / manifest.model_file)
+    assert counts["LinearF32"] == 1 and counts["Gate"] == manifest.config.num_layers
+    assert not {"Sigmoid", "QuickGelu", "Tanh", "Split"} & set(counts)
+    assert nodes["LinearF32"].input[1] == (nodes["Gather"].input[0] if tied else "lm_head.rows")
+    vocab, hidden = manifest.config.vocab_size, manifest.config.hidden_size
+    shapes = [list(t.dims) for t in model.graph.initializer]
+    assert [vocab, hidden] in shapes and [hidden, vocab] not in shapes
+    assert shapes.count([vocab, hidden]) == (1 if tied else 2)
+    assert all(a.i == 1 for n in model.graph.node for a in n.attribute if a.name == "on_pool")
 
 
 def test_a_manifest_naming_a_missing_decode_graph_is_refused(tmp_path):

@@ -462,22 +462,51 @@ static void attend(State *st, Job *job, int slots, float *out) {
 static int chunk_slots(const Job *job) { return int8_codes(job->cache_type) ? CHUNK_SLOTS : FLOAT_CHUNK_SLOTS; }
 
 /* A call's chunks, taken in turn by the threads a caller lends. */
+/* A call's chunks (a decode's parts, or a linear's tasks), taken by the threads a caller lends:
+ * worker 0 from the front and worker 1 from the back, so in a linear each streams its own span of
+ * the weights (as the helper does: in take_chunks). `span` holds the chunks left, end << 32 | next. */
 typedef struct {
-    const Job *job;
+    const Job *job;          /* a decode's, with its parts */
     Part *parts;
-    atomic_int next;
-    int count;
+    const LinearJob *linear; /* else a linear's */
+    _Atomic uint64_t span;
     pthread_t caller;
     _Atomic uint64_t *others_chunks; /* counts the chunks threads other than the caller took */
 } LentWork;
 
+static LentWork lent_work(const Job *job, Part *parts, const LinearJob *linear, int count, _Atomic uint64_t *counter) {
+    return (LentWork){job, parts, linear, (uint64_t)count << 32, pthread_self(), counter};
+}
+
+/* The next chunk for `worker` (from the front for 0, the back for 1), or -1 when none is left. */
+static int lent_take(LentWork *work, size_t worker) {
+    uint64_t span = atomic_load_explicit(&work->span, memory_order_acquire);
+    for (;;) {
+        const uint32_t next = (uint32_t)span, end = (uint32_t)(span >> 32);
+        if (next >= end) return -1;
+        const uint64_t left = worker ? (uint64_t)(end - 1) << 32 | next : (uint64_t)end << 32 | (next + 1);
+        if (atomic_compare_exchange_weak_explicit(&work->span, &span, left, memory_order_acq_rel,
+                                                  memory_order_acquire))
+            return (int)(worker ? end - 1 : next);
+    }
+}
+
 static void lent_worker(void *data, size_t worker) {
-    (void)worker;
     LentWork *work = data;
     uint64_t taken = 0;
-    for (int i; (i = atomic_fetch_add(&work->next, 1)) < work->count; taken++) attend_part(work->job, &work->parts[i]);
+    for (int i; (i = lent_take(work, worker)) >= 0; taken++) {
+        if (work->linear)
+            linear_task(work->linear, i);
+        else
+            attend_part(work->job, &work->parts[i]);
+    }
     if (!pthread_equal(pthread_self(), work->caller))
         atomic_fetch_add_explicit(work->others_chunks, taken, memory_order_relaxed);
+}
+
+/* Runs a call's chunks on the lent threads, and on this one whatever they could not take. */
+static void run_lent(const LentThreads *lent, LentWork *work) {
+    if (lent->run(lent->pool, lent_worker, work)) lent_worker(work, 0);
 }
 
 static void compute(State *st, Job *job, int lo, int hi, float *out) {
@@ -502,8 +531,8 @@ static void compute(State *st, Job *job, int lo, int hi, float *out) {
                               NUMERATOR_STRIDE};
     }
     if (st->lent && count > 1) {
-        LentWork work = {job, st->parts, 0, count, pthread_self(), &st->stat_lent_chunks};
-        if (st->lent->run(st->lent->pool, lent_worker, &work)) lent_worker(&work, 0); /* what they left */
+        LentWork work = lent_work(job, st->parts, NULL, count, &st->stat_lent_chunks);
+        run_lent(st->lent, &work);
     } else if (!st->helper_running || st->lent) {
         for (int i = 0; i < count; i++) attend_part(job, &st->parts[i]);
     } else {
@@ -554,8 +583,9 @@ static Status compute_prefill(State *st, const PrefillJob *job) {
     return STATUS_OK;
 }
 
-/* A one-token linear: the activations prepared once, then its rows shared between the threads. */
-static Status compute_linear(State *st, LinearJob *job) {
+/* A linear: the activations prepared once, then its rows shared between the threads: the lent
+ * ones if given (counted in stat_lent_chunks), else the helper. */
+static Status compute_linear(State *st, LinearJob *job, const LentThreads *lent) {
     const size_t bytes = linear_scratch_bytes(job);
     if (bytes > st->linear_scratch_bytes) { /* once per model: the widest input and the most tokens */
         void *grown = aligned_alloc(64, (bytes + 63) / 64 * 64);
@@ -565,7 +595,10 @@ static Status compute_linear(State *st, LinearJob *job) {
     }
     linear_prepare(job, st->vector_linears ? st->linear_scratch : NULL); /* no scratch: the portable path */
     const int count = linear_tasks(job);
-    if (!st->helper_running || count == 1) {
+    if (lent && count > 1) {
+        LentWork work = lent_work(NULL, NULL, job, count, &st->stat_lent_chunks);
+        run_lent(lent, &work);
+    } else if (!st->helper_running || count == 1 || lent) {
         for (int i = 0; i < count; i++) linear_task(job, i);
     } else {
         st->linear = *job;
@@ -849,7 +882,7 @@ static Status linear_run(void *user_data, size_t num_inputs, void *const *inputs
     LinearJob job;
     Status status = linear_job(&job, format, x, nx, codes, ncodes, block_scales, nblock, offsets, noffsets, row_scales,
                                nrow, y, ny);
-    return status == STATUS_OK ? compute_linear(cfg->state, &job) : status;
+    return status == STATUS_OK ? compute_linear(cfg->state, &job, NULL) : status;
 }
 
 static Status op_run_linear_int4(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
@@ -936,13 +969,15 @@ int litekv_rope_kernel(Kernel *kernel) {
     return STATUS_OK;
 }
 
-/* A linear on host arrays, with the registration's state (tests, benchmarks): x [tokens][in], y
- * [tokens][out], the weights as the ops take them (block_scales and offsets NULL for int8). */
+/* A linear on host arrays, with the registration's state (ort_ops.c, tests, benchmarks): x
+ * [tokens][in], y [tokens][out], the weights as the ops take them (block_scales and offsets NULL for
+ * int8 and f32, row_scales too for f32); its rows go to `lent` threads if given, else the helper. */
 int litekv_linear_run(AttentionConfig *cfg, int format, const float *x, float *y, const void *codes,
                       const uint16_t *block_scales, const int8_t *offsets, const float *row_scales, int tokens, int in,
-                      int out, int block) {
+                      int out, int block, const LentThreads *lent) {
     const int int4 = linear_format_int4(format);
-    if (tokens <= 0 || in <= 0 || out <= 0 || (format != LINEAR_INT8 && !int4) || (int4 && (block <= 0 || in % block)))
+    if (tokens <= 0 || in <= 0 || out <= 0 || (format != LINEAR_INT8 && format != LINEAR_F32 && !int4) ||
+        (int4 && (block <= 0 || in % block)))
         return STATUS_INVALID_ARGUMENT;
     if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
     const size_t n_out = (size_t)out, blocks = int4 ? (size_t)(in / block) * n_out : 0;
@@ -950,7 +985,7 @@ int litekv_linear_run(AttentionConfig *cfg, int format, const float *x, float *y
     LinearJob job;
     Status status = linear_job(&job, format, x, (size_t)tokens * in, codes, ncodes, block_scales, blocks, offsets,
                                blocks, row_scales, n_out, y, (size_t)tokens * n_out);
-    return status == STATUS_OK ? compute_linear(cfg->state, &job) : status;
+    return status == STATUS_OK ? compute_linear(cfg->state, &job, lent) : status;
 }
 
 /* Whether int8 caches get integer dot products on this CPU (AttentionConfig.int8_dot). */

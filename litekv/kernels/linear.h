@@ -14,6 +14,7 @@ enum {
     LINEAR_INT8 = 1, /* codes: int8 [out, in]; row_scales [out]: W[o, k] = code * row_scale[o] */
     LINEAR_UINT4 = 2, /* LINEAR_INT4 with each nibble holding code + 8, unsigned: the layout of ONNX
                          Runtime's MatMulNBits without zero points, so one tensor serves both */
+    LINEAR_F32 = 3,   /* codes: float [out, in], W itself; no scales (an fp32 LM head, one row a step) */
 };
 
 /* Whether a format holds 4-bit codes (LINEAR_INT4 or LINEAR_UINT4). */
@@ -25,7 +26,7 @@ typedef struct {
     const void *codes;
     const uint16_t *block_scales; /* int4: float16 bits */
     const int8_t *offsets;        /* int4 */
-    const float *row_scales;      /* int4: the offsets' scale per row; int8: the codes' */
+    const float *row_scales;      /* int4: the offsets' scale per row; int8: the codes'; f32: NULL */
     int format, tokens, in, out, block;
     int rows_per_task;
     /* filled by linear_prepare from x: the activations as int8 (vector path) */

@@ -41,6 +41,15 @@
  *                 the output, so the kernels read the codes as they are (a quarter of a float32
  *                 cache's bytes).
  *
+ *   "LinearF32": x f32 [.., in], weight f32 [out, in] (W itself: an LM head's, or the tied embedding
+ *                 table the graph's Gather reads)  ->  y f32 [.., out], with the same optional norm
+ *                 inputs as the others: an fp32 LM head's one row, streamed at the machine's read rate.
+ *   Every linear's int attribute `on_pool` (default 0) puts its rows on ONNX Runtime's pool, for
+ *   graphs whose session has one (the converter sets it there); 0 shares them with litekv's helper
+ *   thread, in the decode graph whose session runs on one thread.
+ *   "Gate": x f32 [.., 2h]  ->  act(x [.., :h]) * x [.., h:], f32 [.., h], int attribute `gate` as
+ *                 LinearInt4's: a gated MLP's activation over a projection of ONNX Runtime's own.
+ *
  *   "Int4Offsets": y f32 [.., out] (MatMulNBits' output), x f32 [.., in] (its input), offsets int8
  *                 [out, blocks], offset scales f32 [out]  ->  y plus the offsets' share of an int4
  *                 projection (LinearInt4's W), f32 [.., out]: a prefill chunk's projection is then
@@ -107,6 +116,8 @@ enum {
     KIND_DECODE_ATTENTION_INT8,
     KIND_PREFILL_ATTENTION_INT8,
     KIND_INT4_OFFSETS,
+    KIND_LINEAR_F32,
+    KIND_GATE,
     KINDS
 };
 enum { GATE_NONE = 0, GATE_SILU = LINEAR_GATE_SILU, GATE_GELU_TANH = LINEAR_GATE_GELU_TANH }; /* emit_onnx.GATES */
@@ -136,7 +147,8 @@ typedef struct CustomOp {
 } CustomOp;
 
 int litekv_linear_run(void *cfg, int format, const float *x, float *y, const void *codes, const uint16_t *block_scales,
-                      const int8_t *offsets, const float *row_scales, int tokens, int in, int out, int block);
+                      const int8_t *offsets, const float *row_scales, int tokens, int in, int out, int block,
+                      const LentThreads *lent);
 int litekv_attention_head_major(void *cfg, const float *query, const void *keys, const void *values, float *out,
                                 int heads, int kv_heads, int slots, int head_dim, int lo, int hi, int cache_type,
                                 const LentThreads *lent);
@@ -170,7 +182,8 @@ typedef struct Registration {
 typedef struct {
     const Op *op;
     Registration *registration;
-    int gate;                      /* linears */
+    int gate;                      /* LinearInt4, Gate */
+    int on_pool;                   /* linears: rows on ONNX Runtime's pool (1), or litekv's helper (0) */
     float epsilon;                 /* linears with a norm */
     int heads, kv_heads, window;   /* attention; window 0: none */
     float scale;
@@ -198,7 +211,7 @@ static int kind_of(const CustomOp *op) { return ((const Op *)(const void *)op)->
 static const char *op_name(const CustomOp *op) {
     static const char *const names[] = {"LinearInt4",          "LinearInt8",          "DecodeAttention",
                                         "PrefillAttention",    "DecodeAttentionInt8", "PrefillAttentionInt8",
-                                        "Int4Offsets"};
+                                        "Int4Offsets",         "LinearF32",           "Gate"};
     return names[kind_of(op)];
 }
 
@@ -211,6 +224,8 @@ static const char *op_provider(const CustomOp *op) {
 static const int linear_int4_inputs[] = {TYPE_FLOAT, TYPE_UINT8, TYPE_FLOAT16, TYPE_INT8,
                                          TYPE_FLOAT, TYPE_FLOAT,  TYPE_FLOAT};
 static const int linear_int8_inputs[] = {TYPE_FLOAT, TYPE_INT8, TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT};
+static const int linear_f32_inputs[] = {TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT};
+static const int gate_inputs[] = {TYPE_FLOAT};
 /* query, key, value, past_key, past_value, seqlens_k, cos, sin */
 static const int attention_inputs[] = {TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT,
                                        TYPE_FLOAT, TYPE_INT32, TYPE_FLOAT, TYPE_FLOAT};
@@ -223,17 +238,19 @@ enum { ATTN_QUERY, ATTN_KEY, ATTN_VALUE, ATTN_PAST_KEY, ATTN_PAST_VALUE, ATTN_SE
        ATTN_K_SCALE, ATTN_V_SCALE };
 
 static size_t op_input_count(const CustomOp *op) {
-    static const size_t counts[] = {7, 5, 8, 8, 10, 10, 4};
+    static const size_t counts[] = {7, 5, 8, 8, 10, 10, 4, 4, 1};
     return counts[kind_of(op)];
 }
 
 /* A linear's inputs before the norm's: x and its weights. */
-static size_t linear_weight_inputs(int kind) { return kind == KIND_LINEAR_INT8 ? 3 : 5; }
+static size_t linear_weight_inputs(int kind) {
+    return kind == KIND_LINEAR_INT8 ? 3 : kind == KIND_LINEAR_F32 ? 2 : 5;
+}
 
 static int op_input_type(const CustomOp *op, size_t index) {
-    static const int *const types[] = {linear_int4_inputs, linear_int8_inputs,    attention_inputs,
-                                       attention_inputs,   attention_int8_inputs, attention_int8_inputs,
-                                       int4_offsets_inputs};
+    static const int *const types[] = {linear_int4_inputs,  linear_int8_inputs,    attention_inputs,
+                                       attention_inputs,    attention_int8_inputs, attention_int8_inputs,
+                                       int4_offsets_inputs, linear_f32_inputs,     gate_inputs};
     return index < op_input_count(op) ? types[kind_of(op)][index] : 0;
 }
 
@@ -245,7 +262,9 @@ static int is_attention(int kind) {
     return kind == KIND_DECODE_ATTENTION || kind == KIND_PREFILL_ATTENTION || is_int8_attention(kind);
 }
 
-static int is_linear(int kind) { return kind == KIND_LINEAR_INT4 || kind == KIND_LINEAR_INT8; }
+static int is_linear(int kind) {
+    return kind == KIND_LINEAR_INT4 || kind == KIND_LINEAR_INT8 || kind == KIND_LINEAR_F32;
+}
 
 static size_t op_output_count(const CustomOp *op) {
     return is_attention(kind_of(op)) ? 3 : is_linear(kind_of(op)) ? 2 : 1;
@@ -283,14 +302,19 @@ static int64_t int_attribute(const OrtApi *api, const void *info, const char *na
 
 static OrtStatus *op_create_kernel(const CustomOp *custom, const OrtApi *api, const void *info, void **kernel) {
     const Op *op = (const Op *)(const void *)custom;
-    Kernel k = {op, op->registration, GATE_NONE, 1e-6f, 0, 0, 0, 0.0f};
-    if (op->kind == KIND_LINEAR_INT4) {
+    Kernel k = {op, op->registration, GATE_NONE, 0, 1e-6f, 0, 0, 0, 0.0f};
+    if (op->kind == KIND_LINEAR_INT4 || op->kind == KIND_GATE) {
         const int64_t gate = int_attribute(api, info, "gate", GATE_NONE);
-        if (gate != GATE_NONE && gate != GATE_SILU && gate != GATE_GELU_TANH)
+        if ((gate != GATE_NONE || op->kind == KIND_GATE) && gate != GATE_SILU && gate != GATE_GELU_TANH)
             return error(api, ORT_INVALID_ARGUMENT, "litekv linear: unknown gate (1 = silu, 2 = gelu_tanh)");
         k.gate = (int)gate;
     }
     if (is_linear(op->kind)) {
+        const int64_t on_pool = int_attribute(api, info, "on_pool", 0);
+        if (on_pool != 0 && on_pool != 1)
+            return error(api, ORT_INVALID_ARGUMENT, "litekv linear: on_pool must be 0 (litekv's helper thread) or 1 "
+                                                    "(the session's pool)");
+        k.on_pool = (int)on_pool;
         OrtStatus *absent = API(api, SLOT_KERNEL_INFO_GET_ATTRIBUTE_FLOAT,
                                 OrtStatus * (*)(const void *, const char *, float *))(info, "epsilon", &k.epsilon);
         if (absent) API(api, SLOT_RELEASE_STATUS, void (*)(OrtStatus *))(absent), k.epsilon = 1e-6f;
@@ -444,9 +468,9 @@ static OrtStatus *linear_compute(const Kernel *kernel, void *context) {
     const Op *op = kernel->op;
     Registration *r = kernel->registration;
     const OrtApi *api = op->api;
-    const int int8 = op->kind == KIND_LINEAR_INT8;
+    const int int8 = op->kind == KIND_LINEAR_INT8, f32 = op->kind == KIND_LINEAR_F32, int4 = !int8 && !f32;
     const size_t weights = linear_weight_inputs(op->kind);
-    Tensor x, codes, scales = {0}, offsets = {0}, row_scales, skip, norm_weight;
+    Tensor x, codes, scales = {0}, offsets = {0}, row_scales = {0}, skip, norm_weight;
     size_t inputs = 0, outputs = 0;
     CHECK(API(api, SLOT_KERNEL_CONTEXT_GET_INPUT_COUNT, OrtStatus * (*)(const void *, size_t *))(context, &inputs));
     CHECK(API(api, SLOT_KERNEL_CONTEXT_GET_OUTPUT_COUNT, OrtStatus * (*)(const void *, size_t *))(context, &outputs));
@@ -456,27 +480,27 @@ static OrtStatus *linear_compute(const Kernel *kernel, void *context) {
     skip = norm_weight = (Tensor){0};
     if (inputs > weights) CHECK(read_input(api, context, weights, TYPE_FLOAT, 1, &skip));
     if (inputs > weights + 1) CHECK(read_input(api, context, weights + 1, TYPE_FLOAT, 1, &norm_weight));
-    CHECK(input(api, context, 1, int8 ? TYPE_INT8 : TYPE_UINT8, &codes));
-    CHECK(input(api, context, int8 ? 2 : 4, TYPE_FLOAT, &row_scales));
-    if (!int8) {
+    CHECK(input(api, context, 1, int8 ? TYPE_INT8 : f32 ? TYPE_FLOAT : TYPE_UINT8, &codes));
+    if (!f32) CHECK(input(api, context, int8 ? 2 : 4, TYPE_FLOAT, &row_scales));
+    if (int4) {
         CHECK(input(api, context, 2, TYPE_FLOAT16, &scales));
         CHECK(input(api, context, 3, TYPE_INT8, &offsets));
     }
     /* Every size checked against the others, so the kernel never reads past a buffer. */
-    const size_t in = (size_t)x.dims[x.rank - 1], out = row_scales.count;
-    const size_t tokens = in ? x.count / in : 0, blocks = out && !int8 ? scales.count / out : 0;
+    const size_t in = (size_t)x.dims[x.rank - 1], out = f32 ? (codes.rank ? (size_t)codes.dims[0] : 0) : row_scales.count;
+    const size_t tokens = in ? x.count / in : 0, blocks = out && int4 ? scales.count / out : 0;
     const int shapes_agree =
         in > 0 && out > 0 && tokens > 0 && tokens <= INT32_MAX && (size_t)codes.dims[0] == out &&
-        codes.count == (int8 ? out * in : out * in / 2) && (kernel->gate == GATE_NONE || out % 2 == 0) &&
-        (int8 || (in % 2 == 0 && blocks > 0 && in % blocks == 0 && (in / blocks) % 2 == 0 &&
-                  scales.count == out * blocks && offsets.count == out * blocks)) &&
+        codes.count == (int4 ? out * in / 2 : out * in) && (kernel->gate == GATE_NONE || out % 2 == 0) &&
+        (!int4 || (in % 2 == 0 && blocks > 0 && in % blocks == 0 && (in / blocks) % 2 == 0 &&
+                   scales.count == out * blocks && offsets.count == out * blocks)) &&
         (!skip.data || (norm_weight.data && skip.count == x.count)) && (!norm_weight.data || norm_weight.count == in) &&
         (outputs == 1 || norm_weight.data);
     if (!shapes_agree)
         return error(api, ORT_INVALID_ARGUMENT,
-                     "litekv linear: the input shapes disagree (x [.., in], codes [out, ..], scales [out, blocks], "
-                     "offsets [out, blocks], row scales [out]; an even out with a gate; a norm's skip [.., in] only "
-                     "with its weight [in], and the sum output only with a norm)");
+                     "litekv linear: the input shapes disagree (x [.., in], codes [out, ..] (LinearF32: the weight "
+                     "[out, in]), scales [out, blocks], offsets [out, blocks], row scales [out]; an even out with a "
+                     "gate; a norm's skip [.., in] only with its weight [in], and the sum output only with a norm)");
     int64_t dims[MAX_RANK];
     for (size_t i = 0; i < x.rank; i++) dims[i] = x.dims[i];
     dims[x.rank - 1] = (int64_t)(kernel->gate ? out / 2 : out);
@@ -492,9 +516,14 @@ static OrtStatus *linear_compute(const Kernel *kernel, void *context) {
                              in);
     }
     float *rows = kernel->gate ? scratch(&r->rows, tokens * out) : y;
-    int status = rows && activations ? litekv_linear_run(op->config, int8 ? LINEAR_INT8 : LINEAR_UINT4, activations,
-                                                         rows, codes.data, scales.data, offsets.data, row_scales.data,
-                                                         (int)tokens, (int)in, (int)out, int8 ? 0 : (int)(in / blocks))
+    /* on_pool (set by the converter in graphs whose session has a pool of its own): the rows go to
+     * that pool, whose worker spins between nodes; else to litekv's helper (the one-thread decode graph) */
+    PoolOfCall call = {api, context};
+    const LentThreads pool = {run_on_pool, &call};
+    const int format = int8 ? LINEAR_INT8 : f32 ? LINEAR_F32 : LINEAR_UINT4;
+    int status = rows && activations ? litekv_linear_run(op->config, format, activations, rows, codes.data, scales.data,
+                                                         offsets.data, row_scales.data, (int)tokens, (int)in, (int)out,
+                                                         int4 ? (int)(in / blocks) : 0, kernel->on_pool ? &pool : NULL)
                                      : -1;
     if (status == 0 && kernel->gate) linear_gate(rows, y, tokens, out / 2, kernel->gate);
     pthread_mutex_unlock(&call_lock);
@@ -735,11 +764,51 @@ static OrtStatus *attention_compute(const Kernel *kernel, void *context) {
                   : NULL;
 }
 
+/* Gate: y [.., h] = act(x [.., :h]) * x [.., h:], a gated MLP's activation over a projection of
+ * ONNX Runtime's own (LinearInt4 does it inside): one node in place of a split, the activation and
+ * a product, each costing ONNX Runtime a node. A prefill chunk's rows are halved between the two
+ * workers of the session's pool. */
+typedef struct {
+    const float *x;
+    float *y;
+    size_t tokens, half;
+    int gate;
+} GateWork;
+
+static void gate_worker(void *data, size_t worker) {
+    const GateWork *w = data;
+    const size_t first = w->tokens * worker / 2, last = w->tokens * (worker + 1) / 2;
+    linear_gate(w->x + 2 * w->half * first, w->y + w->half * first, last - first, w->half, w->gate);
+}
+
+static OrtStatus *gate_compute(const Kernel *kernel, void *context) {
+    const OrtApi *api = kernel->op->api;
+    Tensor x;
+    CHECK(input(api, context, 0, TYPE_FLOAT, &x));
+    const size_t width = x.rank ? (size_t)x.dims[x.rank - 1] : 0;
+    if (width == 0 || width % 2)
+        return error(api, ORT_INVALID_ARGUMENT, "litekv Gate: the input's last dimension must be even: [.., 2 h]");
+    int64_t dims[MAX_RANK];
+    for (size_t i = 0; i < x.rank; i++) dims[i] = x.dims[i];
+    dims[x.rank - 1] = (int64_t)(width / 2);
+    float *y = NULL;
+    CHECK(output(api, context, 0, dims, x.rank, &y));
+    GateWork work = {x.data, y, x.count / width, width / 2, kernel->gate};
+    if (work.tokens == 1) {
+        gate_worker(&work, 0), gate_worker(&work, 1);
+        return NULL;
+    }
+    return API(api, SLOT_KERNEL_CONTEXT_PARALLEL_FOR,
+               OrtStatus * (*)(const void *, void (*)(void *, size_t), size_t, size_t, void *))(context, gate_worker, 2,
+                                                                                              2, &work);
+}
+
 static OrtStatus *op_compute(void *kernel_data, void *context) {
     const Kernel *kernel = kernel_data;
     const int kind = kernel->op->kind;
     return is_attention(kind)           ? attention_compute(kernel, context)
            : kind == KIND_INT4_OFFSETS ? offsets_compute(kernel, context)
+           : kind == KIND_GATE         ? gate_compute(kernel, context)
                                        : linear_compute(kernel, context);
 }
 
