@@ -254,7 +254,7 @@ class OnnxOps(GraphOps):
             node = next((n for n in self.nodes if gate[0] in n.output), None)
             readers = sum(gate[0] in n.input for n in self.nodes)  # only the two slices, which then go
             if node is not None and readers == 2:
-                if self.step_graph and node.op_type == "LinearInt4" and not node.attribute:
+                if self.step_graph and node.op_type == "LinearInt4" and not any(a.name == "gate" for a in node.attribute):
                     out = self._name("gated")
                     node.output[0] = out
                     node.attribute.append(helper.make_attribute("gate", GATES.index(gate[1]) + 1))
@@ -292,8 +292,12 @@ class OnnxOps(GraphOps):
             q, scales = int8_per_channel(self.stacked(parts))
             inputs = [self._weight(f"{name}.rows", lambda: q), self._weight(f"{name}.scales", lambda: scales)]
         op = "LinearInt4" if fmt == "int4" else "LinearInt8"
-        return self._node(op, [x, *inputs], (*x.shape[:-1], out_dim), domain=KERNEL_DOMAIN,
-                          on_pool=int(not self.step_graph))
+        return self._node(op, [x, *inputs], (*x.shape[:-1], out_dim), domain=KERNEL_DOMAIN, **self._threads())
+
+    def _threads(self) -> dict[str, int]:
+        """A linear's `on_pool` attribute: the model graph's session has a pool of its own; the step
+        graph runs on one thread and shares rows with litekv's helper (the op's default)."""
+        return {} if self.step_graph else {"on_pool": 1}
 
     def _f32_rows(self, x: Sym, name: str, parts: Sequence[str]) -> Sym:
         """One row (an LM head's) times an fp32 weight in litekv's LinearF32, which streams W [out, in]
@@ -305,8 +309,7 @@ class OnnxOps(GraphOps):
         weight = (self._weight("embed.weight", lambda: np.asarray(self.weights["embed.weight"], np.float32)) if tied
                   else self._weight(f"{name}.rows", lambda: self.stacked(parts)))
         out_dim = sum(self.weights[p].shape[0] for p in parts)
-        return self._node("LinearF32", [x, weight], (*x.shape[:-1], out_dim), domain=KERNEL_DOMAIN,
-                          on_pool=int(not self.step_graph))
+        return self._node("LinearF32", [x, weight], (*x.shape[:-1], out_dim), domain=KERNEL_DOMAIN, **self._threads())
 
     def _int8_matmul(self, x: Sym, weight: str, w: np.ndarray, shape: Sequence[int]) -> Sym:
         """x @ W with W int8 per output channel, as DynamicQuantizeMatMul: MLAS's int8 GEMM, as fast

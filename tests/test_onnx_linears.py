@@ -380,12 +380,13 @@ def test_the_decode_graph_reads_the_prefill_weights(arch, gate):
     decode, prefill = op_types(path / manifest.decode_model_file), op_types(path / manifest.model_file)
     assert decode["LinearInt4"] == 4 * layers and decode["LinearInt8"] == 1 and "MatMulNBits" not in decode
     assert prefill["MatMulNBits"] == 4 * layers and prefill["LinearInt8"] == 1 and "LinearInt4" not in prefill
+    assert "Gate" not in decode and prefill["Gate"] == layers  # the decode graph's LinearInt4 gates its rows
     # a chunk's offsets come from litekv's op, on the int8 offsets the decode graph's LinearInt4 reads
     assert prefill["Int4Offsets"] == 4 * layers and "MatMul" not in prefill
     # the gated MLP's slices and activation are the op's gate; every residual add is in a norm
     assert not {"Sigmoid", "Tanh", "Add"} & set(decode)
     gated = [n for n in onnx.load(path / manifest.decode_model_file, load_external_data=False).graph.node
-             if any(a.name == "gate" for a in n.attribute)]
+             if n.op_type == "LinearInt4" and any(a.name == "gate" for a in n.attribute)]
     assert len(gated) == layers and all(a.i == GATES.index(gate) + 1 for n in gated for a in n.attribute
                                         if a.name == "gate")
     # the norms before the qkv and gate/up projections are those linears' inputs; attention is litekv's
