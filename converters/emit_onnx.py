@@ -318,13 +318,19 @@ class OnnxOps(GraphOps):
         That op quantizes x with one scale for the whole tensor, so in a prefill chunk one token with
         large activations would flatten every other token (prefill-then-step top-1 agreement fell
         from 93% to 57%). Each row is therefore divided by its own max |x| first and the output rows
-        multiplied back: per-token quantization, as XNNPACK does."""
+        multiplied back: per-token quantization, as XNNPACK does.
+
+        The codes are stored as uint8 with a zero point of 128 (the same weights). With int8 codes
+        MLAS multiplies its uint8 activations by them with vpmaddubsw on CPUs without AVX-512 VNNI,
+        whose int16 pair sums saturate (255 * 127 * 2 > 32767): on an AVX2 CPU a step's logits were
+        20 % off. uint8 codes take MLAS's U8U8 kernel, which widens to int16 first and is exact."""
         q, scales = int8_per_channel(w)
 
         def quantized_matmul(a: Sym) -> Sym:
-            return self._node("DynamicQuantizeMatMul", [a, self._weight(weight, lambda: q.T),
-                                                        self._weight(weight + ".scales", lambda: scales)],
-                              shape, domain="com.microsoft")
+            codes = self._weight(weight, lambda: (q.T.astype(np.int16) + 128).astype(np.uint8))
+            zero_points = self._weight(weight + ".zero_points", lambda: np.full(q.shape[0], 128, np.uint8))
+            return self._node("DynamicQuantizeMatMul", [a, codes, self._weight(weight + ".scales", lambda: scales),
+                                                        zero_points], shape, domain="com.microsoft")
 
         if x.shape[-2] == 1:  # one row: the tensor scale is the row scale already
             return quantized_matmul(x)

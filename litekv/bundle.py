@@ -31,8 +31,10 @@ FORMAT = "litekv-bundle"
 # or int8 cache), the decode graph then being theirs whatever the linears.
 # 12: ONNX bundles attending in litekv's ops over ONNX Runtime's own linears have no decode graph: their
 # one-token steps run the model graph, on its session's pool.
-VERSION = 12
-READABLE_VERSIONS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
+# 13: ONNX int8 weights are uint8 codes with a zero point of 128 (exact in MLAS without AVX-512 VNNI; int8
+# codes saturated there). Older ONNX int8 bundles still load; reconvert them (`litekv pull` does).
+VERSION = 13
+READABLE_VERSIONS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13)
 ATTENTION_KINDS = ("kernel", "graph")
 SAMPLER_SIGNATURE = "sampler"
 # The sampler graph's scalar inputs, each of shape [1], in order: (name, dtype).

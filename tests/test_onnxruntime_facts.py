@@ -850,3 +850,46 @@ def test_iobinding_overhead_and_prebound_outputs():
     print(f"\n[trivial graph] run_with_iobinding pre-bound {t_prebound*1e6:.1f} us | ORT-allocated output "
           f"{t_alloc*1e6:.1f} us | re-bind input+output each call {t_rebind*1e6:.1f} us | sess.run {t_run*1e6:.1f} us")
     assert t_prebound < 1e-3
+
+
+# ----------------------------------------------------------------------------
+# DynamicQuantizeMatMul: uint8 weight codes are exact on every CPU
+# ----------------------------------------------------------------------------
+
+
+def _dynamic_quantize_matmul(weights: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None):
+    k, n = weights.shape
+    inputs = ["A", "B", "S"] + (["Z"] if zero_points is not None else [])
+    inits = [numpy_helper.from_array(weights, "B"), numpy_helper.from_array(scales, "S")]
+    if zero_points is not None:
+        inits.append(numpy_helper.from_array(zero_points, "Z"))
+    node = oh.make_node("DynamicQuantizeMatMul", inputs, ["Y"], domain="com.microsoft")
+    return _session(_model([node], [_vi("A", TP.FLOAT, ["T", k])], [_vi("Y", TP.FLOAT, ["T", n])], inits), threads=2)
+
+
+def _uint8_activations(a: np.ndarray) -> tuple[np.ndarray, np.float32, int]:
+    """DynamicQuantizeLinear: uint8 codes over [min(a, 0), max(a, 0)], with its scale and zero point."""
+    lo, hi = min(float(a.min()), 0.0), max(float(a.max()), 0.0)
+    scale = np.float32((hi - lo) / 255.0)
+    zero = int(np.clip(np.rint(-lo / scale), 0, 255))
+    return np.clip(np.rint(a / scale) + zero, 0, 255).astype(np.int64), scale, zero
+
+
+def test_dynamic_quantize_matmul_uint8_codes_are_exact():
+    """The ONNX emitter stores int8 weights as uint8 codes + 128 with a zero point of 128. MLAS then
+    multiplies in its U8U8 kernel, which widens to int16 before multiplying: the product equals the
+    integer arithmetic on every CPU. (Signed codes go through vpmaddubsw on CPUs without AVX-512
+    VNNI, whose int16 pair sums saturate: 20 % logit errors on an AVX2 machine.) Weights that use
+    the whole int8 range and activations with an outlier make saturation likely where it can occur."""
+    rng = np.random.default_rng(5)
+    k, n = 576, 96
+    codes = rng.integers(-127, 128, (k, n)).astype(np.int64)
+    codes[:, 0] = 127  # a column of extreme codes
+    scales = rng.uniform(0.01, 0.02, n).astype(np.float32)
+    a = rng.standard_normal((3, k)).astype(np.float32)
+    a[:, 7] = 40.0
+    session = _dynamic_quantize_matmul((codes + 128).astype(np.uint8), scales, np.full(n, 128, np.uint8))
+    got = session.run(None, {"A": a})[0]
+    qa, a_scale, a_zero = _uint8_activations(a)
+    expected = ((qa - a_zero) @ codes).astype(np.float64) * a_scale * scales
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())

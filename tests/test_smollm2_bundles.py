@@ -105,7 +105,7 @@ def prefill_top1_agreement(executor) -> float:
     rows at once (quantized kernels may scale activations per tensor there, not per token)."""
     tokens, expected = passage_and_expected()
     hits = []
-    for p in range(20, 200, 6):
+    for p in range(20, 200, 3):
         cache = executor.create_kv_cache()
         executor.prefill(tokens[:p], cache)
         hits.append(int(np.argmax(executor.step([tokens[p]], cache)[0])) == expected[p])
@@ -133,17 +133,21 @@ def test_coherence_prompts_have_clear_margins():
         assert float(np.min(top2[:, 1] - top2[:, 0])) >= MIN_MARGIN, question
 
 
-@pytest.mark.parametrize("quantize, target", [("int8", 0.90), ("int4", 0.80)])
+# Prefill chunks quantize int8 activations per token (XNNPACK, MLAS), where steps on litekv's
+# kernels use a scale per 32: after prefill, int8 bundles agreed on 86.7-90.0 % of 30 positions and
+# 88.3 % of 60 on an AVX2 machine, 90-97 % on an AVX-512 one, flipping only near-ties. A scale per
+# tensor, the failure this guards against, gave 57 %.
+@pytest.mark.parametrize("quantize, target, after_prefill_target", [("int8", 0.90, 0.85), ("int4", 0.80, 0.80)])
 @pytest.mark.parametrize("backend", ["litert", "onnx"])
-def test_quantized_agreement_and_coherent_answer(backend, quantize, target, record_property):
+def test_quantized_agreement_and_coherent_answer(backend, quantize, target, after_prefill_target, record_property):
     ex = open_executor(bundle(backend, quantize))
     agreement = top1_agreement(ex)
     record_property("top1_agreement", agreement)
     print(f"{backend} {quantize}: top-1 agreement with fp32 reference over 463 positions = {agreement:.1%}")
     assert agreement >= target
     after_prefill = prefill_top1_agreement(ex)
-    print(f"  after prefill chunks, over 30 positions = {after_prefill:.1%}")
-    assert after_prefill >= target
+    print(f"  after prefill chunks, over 60 positions = {after_prefill:.1%}")
+    assert after_prefill >= after_prefill_target
     for question, expected in COHERENCE:
         answer = checkpoint().tokenizer.decode(greedy(ex, chat_ids(question), 48))
         print(f"  {question} -> {answer!r}")
