@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from conformance import BACKENDS, MAX_CONTEXT, checkpoint_dir, executor, reference, relative_error
+from conformance import BACKENDS, MAX_CONTEXT, PREFILL_LENGTHS, checkpoint_dir, executor, reference, relative_error
 from litekv.converters.checkpoint import load_checkpoint
 from litekv.errors import Cancelled, ContextFull
 from litekv.executor import LoraError, LoraInUse, SamplerParams
@@ -333,11 +333,12 @@ def test_cancel_stops_prefill_after_at_most_one_further_chunk(backend):
                 ex.cancel()
 
         ex._run_prefill_chunk = observed
+        ex._prefill_sizes = lambda: PREFILL_LENGTHS  # chunks of 8: an ONNX graph would take the prompt in one
         try:
             with pytest.raises(Cancelled):
                 ex.prefill(long_prompt, cache)
         finally:
-            del ex._run_prefill_chunk
+            del ex._run_prefill_chunk, ex._prefill_sizes
         assert len(calls) <= stop_after + 1
         assert cache.num_tokens == sum(c.real for c in calls)
         ex.prefill(long_prompt[cache.num_tokens:], cache)

@@ -181,6 +181,13 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         return binding.logits, binding.logits_value
 
     # ---- hooks -----------------------------------------------------------------------------------
+    def _prefill_sizes(self) -> range:
+        """Every length up to PREFILL_CHUNK: the graphs' token axis is dynamic and a chunk runs
+        unpadded. Offered PREFILL_CHUNK alone, plan_prefill fits no chunk into fewer free slots
+        than that and ran each prompt token as a decode step (every prompt of a bundle with a
+        context under 256)."""
+        return range(1, PREFILL_CHUNK + 1)
+
     def _run_prefill_chunk(self, tokens: np.ndarray, chunk: Chunk, kv_cache: KVCache, row: int,
                            adapter: LoraAdapter | None) -> None:
         self._run(tokens, chunk.start, kv_cache, row, adapter)
