@@ -265,7 +265,7 @@ AVX2_INLINE float row_numerators(const PrefillJob *job, const Tile *t, int r, fl
         top = horizontal_max(m);
     }
     for (; i <= b; i++) top = s[i] > top ? s[i] : top;
-    if (!(top > MASKED_BELOW)) {
+    if (top <= MASKED_BELOW) { /* as the portable path tests it */
         memset(s, 0, sizeof(float) * (size_t)n);
         return 0.0f;
     }
