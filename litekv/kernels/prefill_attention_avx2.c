@@ -241,30 +241,42 @@ AVX2_INLINE float horizontal_max(__m256 x) {
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
+/* The largest of s[a..b], once m[a..b] is added to them if given: one pass over the scores. A NaN
+ * score is passed over, as the portable path's comparisons do. */
+AVX2_INLINE float add_and_max(float *restrict s, const float *restrict m, int a, int b) {
+    __m256 top8 = _mm256_set1_ps(-INFINITY);
+    int i = a;
+    for (; i + 8 <= b + 1; i += 8) {
+        __m256 x = _mm256_loadu_ps(s + i);
+        if (m) {
+            x = _mm256_add_ps(x, _mm256_loadu_ps(m + i));
+            _mm256_storeu_ps(s + i, x);
+        }
+        top8 = _mm256_max_ps(x, top8); /* the second operand where either is NaN */
+    }
+    float top = horizontal_max(top8);
+    for (; i <= b; i++) {
+        if (m) s[i] += m[i];
+        top = s[i] > top ? s[i] : top;
+    }
+    return top;
+}
+
 /* Row r's n scores become softmax numerators e^(score + mask - max), and their sum is returned; 0
  * (and zero numerators) if the row sees no slot. Without a mask, slots outside the row's own span
  * get a zero numerator. */
 AVX2_INLINE float row_numerators(const PrefillJob *job, const Tile *t, int r, float *restrict s, int n) {
     int a = 0, b = n - 1; /* the entries that may count */
+    const float *m = NULL;
     if (job->mask) {
-        const float *restrict m = job->mask + (size_t)(t->t0 + r / t->group) * job->slots + t->lo;
-        int i = 0;
-        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, _mm256_add_ps(_mm256_loadu_ps(s + i), _mm256_loadu_ps(m + i)));
-        for (; i < n; i++) s[i] += m[i];
+        m = job->mask + (size_t)(t->t0 + r / t->group) * job->slots + t->lo;
     } else {
         int lo, hi;
         visible(job, t->t0 + r / t->group, &lo, &hi);
         a = lo - t->lo > 0 ? lo - t->lo : 0;
         b = hi - t->lo < n - 1 ? hi - t->lo : n - 1;
     }
-    float top = -INFINITY;
-    int i = a;
-    if (b - a + 1 >= 8) {
-        __m256 m = _mm256_loadu_ps(s + a);
-        for (i = a + 8; i + 8 <= b + 1; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + i));
-        top = horizontal_max(m);
-    }
-    for (; i <= b; i++) top = s[i] > top ? s[i] : top;
+    const float top = add_and_max(s, m, a, b);
     if (top <= MASKED_BELOW) { /* as the portable path tests it */
         memset(s, 0, sizeof(float) * (size_t)n);
         return 0.0f;
@@ -273,7 +285,8 @@ AVX2_INLINE float row_numerators(const PrefillJob *job, const Tile *t, int r, fl
     if (b < n - 1) memset(s + b + 1, 0, sizeof(float) * (size_t)(n - 1 - b));
     const __m256 shift = _mm256_set1_ps(top);
     __m256 sum = _mm256_setzero_ps();
-    for (i = a; i + 8 <= b + 1; i += 8) {
+    int i = a;
+    for (; i + 8 <= b + 1; i += 8) {
         const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), shift));
         _mm256_storeu_ps(s + i, e);
         sum = _mm256_add_ps(sum, e);
