@@ -13,6 +13,7 @@ from litekv import native_attention
 from litekv.converters.emit_onnx import KERNEL_DOMAIN
 from litekv.native_attention import AttentionKernel
 from test_onnx_linears import kernel_model, session
+from test_prefill_attention_kernel import prefill_path  # noqa: F401 (a fixture: the AVX2 and portable paths)
 
 pytestmark = pytest.mark.skipif(not native_attention.available(), reason="the op is litekv's kernel")
 
@@ -129,12 +130,13 @@ def test_a_step_matches_numpy(head_dim, rotary_half, packed, threads):
         np.testing.assert_array_equal(past_k, before)
 
 
-@pytest.mark.parametrize("head_dim, rotary_half", [(64, 32), (128, 64), (64, 16), (48, 24)],
-                         ids=["d64", "d128", "partial-rotary", "d48-portable"])
+@pytest.mark.parametrize("head_dim, rotary_half", [(64, 32), (128, 64), (64, 16), (48, 24), (256, 128), (40, 20)],
+                         ids=["d64", "d128", "partial-rotary", "d48", "d256", "d40"])
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "separate"])
-def test_a_prefill_chunk_matches_numpy(head_dim, rotary_half, packed):
+def test_a_prefill_chunk_matches_numpy(prefill_path, head_dim, rotary_half, packed):
     """Chunks of 1 to 100 tokens at the start of the cache and after it, causal, with and without a
-    window; each token attends to the chunk's earlier rows as written by the op itself."""
+    window; each token attends to the chunk's earlier rows as written by the op itself. On the
+    prefill kernel's AVX2 path (where the CPU takes it) and its portable one."""
     heads, kv_heads, slots = 9, 3, 512
     rng = np.random.default_rng(head_dim)
     kernel = AttentionKernel(head_dim, heads, slots, threads=2)
@@ -313,10 +315,12 @@ def test_int8_scales_of_the_wrong_size_are_refused():
         session(model.SerializeToString(), kernel).run(None, feeds_)
 
 
-@pytest.mark.parametrize("tokens, position, window", [(7, 6, -1), (100, 99, -1), (64, 300, -1), (100, 400, 40)])
-def test_an_int8_prefill_chunk_matches_numpy_on_the_dequantized_cache(tokens, position, window):
+@pytest.mark.parametrize("tokens, position, window", [(7, 6, -1), (100, 99, -1), (64, 300, -1), (100, 400, 40),
+                                                     (53, 52, 17), (37, 511, -1)])
+def test_an_int8_prefill_chunk_matches_numpy_on_the_dequantized_cache(prefill_path, tokens, position, window):
     """PrefillAttentionInt8: the chunk's rows quantized with the cache's scales, each token attending
-    causally (and in its window) to codes x scales, the chunk's own rows as the op wrote them."""
+    causally (and in its window) to codes x scales, the chunk's own rows as the op wrote them; on
+    the prefill kernel's AVX2 path (the value scales applied to its output rows) and its portable one."""
     heads, kv_heads, slots, head_dim, half = 9, 3, 512, 64, 32
     rng = np.random.default_rng(tokens + position)
     kernel = AttentionKernel(head_dim, heads, slots, threads=2)

@@ -128,7 +128,8 @@ def offsets_model(in_dim: int, out_dim: int, offsets: np.ndarray, scales: np.nda
     return kernel_model(graph)
 
 
-@pytest.mark.parametrize("tokens, in_dim, out_dim", [(1, 64, 6), (7, 576, 960), (70, 1536, 38), (256, 576, 200)])
+@pytest.mark.parametrize("tokens, in_dim, out_dim", [(1, 64, 6), (7, 576, 960), (70, 1536, 38), (256, 576, 200),
+                                                     (5, 64, 77), (12, 96, 3072), (47, 1536, 129)])
 def test_int4_offsets_add_the_offsets_share(tokens, in_dim, out_dim):
     """Int4Offsets (a prefill chunk's int4 projection after MatMulNBits) against numpy: y plus each
     block's sum of x times the block's offset, over token counts and widths that leave partial

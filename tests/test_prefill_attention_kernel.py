@@ -210,3 +210,113 @@ def test_int8_rows_form_matches_numpy_on_the_scaled_codes(heads, kv_heads, head_
                         for c, s in zip(codes, scales))
     want = numpy_prefill(q / 8, k_float, v_float, m, kv_heads, head_dim)
     np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max(), rtol=1e-4)
+
+
+def prefill_avx2(enable: int) -> bool:
+    """The kernel's AVX2 prefill path on (1) or off (0), or as it is (-1); whether it is on. It is on
+    by default only on x86-64 CPUs with AVX2, FMA and F16C and without AVX-512."""
+    import ctypes
+    lib = native_attention._load()
+    lib.litekv_prefill_avx2.argtypes, lib.litekv_prefill_avx2.restype = [ctypes.c_int], ctypes.c_int
+    return bool(lib.litekv_prefill_avx2(enable))
+
+
+@pytest.fixture(params=["avx2", "portable"])
+def prefill_path(request):
+    """Runs a test on the AVX2 path (skipped where the CPU does not take it) and on the portable one."""
+    default = prefill_avx2(-1)
+    on = prefill_avx2(int(request.param == "avx2"))
+    try:
+        if request.param == "avx2" and not on:
+            pytest.skip("this CPU does not take the AVX2 prefill path (no AVX2, or AVX-512)")
+        yield request.param
+    finally:
+        prefill_avx2(int(default))
+
+
+def cache_operands(cache, keys, values, kv_heads, head_dim, rng):
+    """keys and values as a `cache` stores them, with their row scales (int8_rows), and the floats
+    they stand for."""
+    slots = len(keys)
+    if cache == "float32":
+        return (keys, values), {}, (keys, values)
+    if cache == "float16":
+        stored = keys.astype(np.float16), values.astype(np.float16)
+        return stored, {}, tuple(x.astype(np.float32) for x in stored)
+    if cache == "int8":  # codes; their static scales live in the query and the output
+        stored = tuple(np.clip(np.rint(x * 40), -127, 127).astype(np.int8) for x in (keys, values))
+        return stored, {}, tuple(x.astype(np.float32) for x in stored)
+    codes, scales, floats = [], [], []
+    for x in (keys, values):
+        rows = (x * rng.uniform(0.1, 10.0, (slots, 1))).reshape(slots, kv_heads, head_dim)
+        scale = (np.abs(rows).max(axis=2) / 127.0).astype(np.float32)
+        code = np.rint(rows / scale[..., None]).astype(np.int8)
+        codes.append(code.reshape(slots, -1))
+        scales.append(np.ascontiguousarray(scale.T))
+        floats.append((code * scale[..., None]).reshape(slots, -1))
+    return tuple(codes), {"key_scales": scales[0], "value_scales": scales[1]}, tuple(floats)
+
+
+@pytest.mark.parametrize("cache", ["float32", "float16", "int8", "int8_rows"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, tokens, slots, start, window", [
+    (9, 3, 64, 37, 300, 100, None),    # SmolLM2: 48-row tiles in blocks of 6, a last tile of 15 rows
+    (9, 3, 64, 53, 53, 0, None),       # a chunk filling the cache: spans not a multiple of 16 slots
+    (14, 2, 128, 23, 400, 301, 70),    # 7 heads per KV head (42-row tiles), a window
+    (4, 1, 256, 13, 600, 250, None),   # Gemma 3: head_dim 256, a 48-row tile and one of 4 rows
+    (5, 5, 40, 19, 150, 60, 33),       # head_dim 40: value sums of 16 + 16 + 8 dimensions; 1 head per KV head
+    (2, 1, 8, 9, 70, 3, None),         # the narrowest vector head
+])
+def test_both_paths_match_numpy_on_every_cache(prefill_path, cache, heads, kv_heads, head_dim, tokens, slots, start,
+                                               window):
+    """Each path against float64 numpy on what the cache holds, for every cache type and row and
+    dimension tail of the AVX2 path's register blocks (6 rows x 16 slots or dimensions)."""
+    rng = np.random.default_rng(head_dim + tokens)
+    q, k, v, m = causal_case(heads, kv_heads, head_dim, tokens, slots, start, window, seed=head_dim)
+    (k_stored, v_stored), scales, (k_float, v_float) = cache_operands(cache, k, v, kv_heads, head_dim, rng)
+    if cache == "int8":
+        q = q / 40
+    kernel = native_attention.AttentionKernel(head_dim, heads, slots, 2)
+    try:
+        got = kernel.run_prefill(q, k_stored, v_stored, m, kv_heads, **scales)
+    finally:
+        kernel.release()
+    want = numpy_prefill(q, k_float, v_float, m, kv_heads, head_dim)
+    np.testing.assert_allclose(got, want, atol=2e-5 * max(1.0, np.abs(want).max()), rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache", ["float32", "float16", "int8", "int8_rows"])
+def test_the_paths_agree_on_a_long_chunk_after_a_prefix(cache):
+    """256 tokens at slot 768 of a 2,048-slot cache, as a prompt after a first turn: the AVX2 path
+    (where the CPU takes it) and the portable one within float reordering of each other."""
+    rng = np.random.default_rng(5)
+    q, k, v, m = causal_case(9, 3, 64, 256, 2048, 768, seed=5)
+    (k_stored, v_stored), scales, _ = cache_operands(cache, k, v, 3, 64, rng)
+    default = prefill_avx2(-1)
+    got = {}
+    try:
+        for path in (0, 1):
+            prefill_avx2(path)
+            kernel = native_attention.AttentionKernel(64, 9, 2048, 2)
+            try:
+                got[path] = kernel.run_prefill(q, k_stored, v_stored, m, 3, **scales)
+            finally:
+                kernel.release()
+    finally:
+        prefill_avx2(int(default))
+    np.testing.assert_allclose(got[1], got[0], atol=1e-6 * np.abs(got[0]).max(), rtol=1e-5)
+
+
+def test_holes_and_masked_rows_on_both_paths(prefill_path):
+    """A mask with holes, soft values and fully masked rows, over spans the AVX2 mask scan reads 32
+    entries at a time (and the entries after the last whole 32 one by one)."""
+    q, k, v, m = causal_case(9, 3, 64, 40, 1000, 700)
+    m[:, 3:40] = MASKED
+    m[:, 701:733] = MASKED
+    m[9, :500] += np.random.default_rng(2).standard_normal(500).astype(np.float32)
+    m[11] = MASKED
+    m[12] = -np.inf
+    m[13, :] = MASKED
+    m[13, 999] = 0.0  # one slot at the very end: the span's scan from the end stops there
+    got = run(q, k, v, m, 3, 64)
+    np.testing.assert_allclose(got, numpy_prefill(q, k, v, np.maximum(m, MASKED), 3, 64), atol=2e-5, rtol=1e-4)
+    assert not got[11].any() and not got[12].any()
