@@ -1,0 +1,423 @@
+/* The one-token linears' AVX2 path (linear.h), for x86-64 CPUs with AVX2, FMA and F16C but not
+ * AVX-512 VNNI (AMD Zen 2 and 3, Intel before Ice Lake). It computes what the VNNI path in linear.c
+ * does, with the same numbers: activations quantized to int8 per block of 32 (scale = largest
+ * |x| / 127, rounded to nearest even), weights as stored, the products exact in integers.
+ * - AVX2 has no vpdpbusd. vpmaddubsw (u8 x s8, adjacent pairs summed to int16, saturating) then
+ *   vpmaddwd by ones (to int32) adds the same, and nothing saturates: an int4 pair is at most
+ *   2 * 15 * 127, and the even and odd nibbles' pairs added still fit; an int8 pair 2 * 128 * 127.
+ * - int4: a 32-byte span of a row holds 64 codes, two blocks. XOR 0x88 turns each signed nibble
+ *   into code + 8, unsigned (LINEAR_UINT4 holds that already); the low nibbles meet the even
+ *   activations and the high the odd (split out once per call). After vpmaddwd the span's low
+ *   128 bits are its first block's four int32 lanes and the high 128 its second's, so one in-lane
+ *   vpermilps spreads the blocks' scales when a group of 8 blocks keeps its scales in the order
+ *   0 2 4 6 | 1 3 5 7 (GROUP_ORDER). The +8 comes off per block in float (-8 x the block's code sum,
+ *   times its scales), as does the offsets' share: once per 8 blocks, not per span.
+ * - int8: |code| against the activation carrying the code's sign (vpsignb); a span is one block.
+ * - fp32: a float dot product per row, four sums, prefetched.
+ * A decode step's linears are bound by memory (about 33 GB/s here with both cores), so the loops
+ * keep to 11 vector instructions per 32 bytes of int4 codes and 6 of int8. */
+#include "linear.h"
+
+#if LITEKV_LINEAR_AVX2
+#include <immintrin.h>
+#include <string.h>
+
+#define TARGET __attribute__((target("avx2,fma,f16c")))
+#ifndef INT4_ROWS
+#define INT4_ROWS 2
+#endif
+#ifndef INT8_ROWS
+#define INT8_ROWS 4
+#endif
+#ifndef SCALE_PREFETCH
+#define SCALE_PREFETCH 1
+#endif
+#ifndef LINEAR_AVX2_PREFETCH
+#define LINEAR_AVX2_PREFETCH 4096 /* bytes ahead: the hardware prefetcher stops at 4 KB pages */
+#endif
+
+int linear_cpu_has_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+/* ---- the prepared activations ------------------------------------------------------------- */
+
+/* One token's activations inside its stride of the scratch, every array 32-byte aligned:
+ * int4: even [in / 2], odd [in / 2] int8 (in a multiple of 64: whole spans), then per block, in
+ *       groups of 8 blocks in GROUP_ORDER and padded with zeros to a whole group: scales (largest
+ *       |x| / 127) and bias (-8 x the codes' sum x the scale) float; sums of x itself (for the
+ *       offsets), float in block order;
+ * int8: codes [in] int8 (in a multiple of 32), then the blocks' scales as above, in block order. */
+typedef struct {
+    const int8_t *even, *odd; /* int8: even holds all the codes */
+    const float *scales, *bias, *sums;
+} Act;
+
+static size_t padded_blocks(int in) { return ((size_t)in / 32 + 7) / 8 * 8; }
+
+/* Where block i of a group of 8 sits: the span holding blocks 2c and 2c + 1 finds their scales at c
+ * and 4 + c, the lanes vpermilps picks for its low and high 128 bits. */
+static int group_position(int i) { return i % 2 * 4 + i / 2; }
+
+size_t linear_avx2_stride(const LinearJob *job) {
+    const size_t floats = padded_blocks(job->in) * (job->format == LINEAR_INT8 ? 1 : 3);
+    return ((size_t)job->in + sizeof(float) * floats + 63) / 64 * 64;
+}
+
+static Act act(const LinearJob *job, int t) {
+    const int8_t *p = (const int8_t *)job->prepared + (size_t)t * job->prepared_stride;
+    const float *f = (const float *)(const void *)(p + job->in);
+    const size_t groups = padded_blocks(job->in);
+    return (Act){p, p + job->in / 2, f, f + groups, f + 2 * groups};
+}
+
+TARGET static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+TARGET static inline float max8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+TARGET static inline int sum8i(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+
+/* Lane j: the sum of v[j]'s lanes. A row's sum, reduced on its own, ends a chain of dependent adds
+ * that short rows (576 codes: 9 spans) could not hide; 8 rows at once take 21 instructions, not 48. */
+TARGET static inline __m256 sums8(const __m256 v[8]) {
+    __m256 pair[4], quad[2];
+    for (int i = 0; i < 4; i++) /* lanes: v[2i] 0+1, 2+3, v[2i+1] 0+1, 2+3 | the same for lanes 4-7 */
+        pair[i] = _mm256_add_ps(_mm256_shuffle_ps(v[2 * i], v[2 * i + 1], 0x88), _mm256_shuffle_ps(v[2 * i], v[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* v[4i..4i+3], each a half's sum | the other half's */
+        quad[i] = _mm256_add_ps(_mm256_shuffle_ps(pair[2 * i], pair[2 * i + 1], 0x88),
+                                _mm256_shuffle_ps(pair[2 * i], pair[2 * i + 1], 0xDD));
+    return _mm256_add_ps(_mm256_permute2f128_ps(quad[0], quad[1], 0x20), _mm256_permute2f128_ps(quad[0], quad[1], 0x31));
+}
+
+typedef struct {
+    __m256i codes; /* 32 int8, in order */
+    float scale, sum;
+    int code_sum;
+} Block;
+
+/* One block of 32 activations as the VNNI path quantizes it (linear.c, prepare_token). */
+TARGET static inline Block quantize_block(const float *x) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 v[4], largest = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        largest = _mm256_max_ps(largest, _mm256_and_ps(v[i], magnitude));
+        total = _mm256_add_ps(total, v[i]);
+    }
+    const float m = max8(largest);
+    const __m256 inverse = _mm256_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
+    __m256i c[4], codes = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+        codes = _mm256_add_epi32(codes, c[i]);
+    }
+    /* packs works within 128-bit lanes: dword k of the packed bytes holds c[k % 4][4 (k / 4) ..] */
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    return (Block){_mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)), m / 127.0f,
+                   sum8(total), sum8i(codes)};
+}
+
+TARGET static void prepare_int4(const LinearJob *job, const float *x, int8_t *even, int8_t *odd, float *scales) {
+    const int blocks = job->in / 32;
+    float *bias = scales + padded_blocks(job->in), *sums = bias + padded_blocks(job->in);
+    memset(scales, 0, 3 * sizeof(float) * padded_blocks(job->in));
+    /* each 128-bit lane's even bytes, then its odd ones */
+    const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                           0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int b = 0; b < blocks; b++) {
+        const Block q = quantize_block(x + 32 * b);
+        const __m256i halves = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(q.codes, split), 0xD8);
+        _mm_store_si128((__m128i *)(void *)(even + 16 * b), _mm256_castsi256_si128(halves));
+        _mm_store_si128((__m128i *)(void *)(odd + 16 * b), _mm256_extracti128_si256(halves, 1));
+        const int at = b / 8 * 8 + group_position(b % 8);
+        scales[at] = q.scale, bias[at] = -8.0f * (float)q.code_sum * q.scale, sums[b] = q.sum;
+    }
+}
+
+TARGET static void prepare_int8(const LinearJob *job, const float *x, int8_t *codes, float *scales) {
+    const int blocks = job->in / 32;
+    memset(scales, 0, sizeof(float) * padded_blocks(job->in));
+    for (int b = 0; b < blocks; b++) {
+        const Block q = quantize_block(x + 32 * b);
+        _mm256_store_si256((__m256i *)(void *)(codes + 32 * b), q.codes);
+        scales[b] = q.scale;
+    }
+}
+
+void linear_avx2_prepare(const LinearJob *job) {
+    for (int t = 0; t < job->tokens; t++) {
+        const Act a = act(job, t);
+        int8_t *even = (int8_t *)a.even;
+        const float *x = job->x + (size_t)t * job->in;
+        if (job->format == LINEAR_INT8)
+            prepare_int8(job, x, even, (float *)a.scales);
+        else
+            prepare_int4(job, x, even, (int8_t *)a.odd, (float *)a.scales);
+    }
+}
+
+/* ---- int4 ---------------------------------------------------------------------------------- */
+
+/* A row's weights for one group of 8 blocks (`count` of them at the row's end, even): block scales
+ * float16, in GROUP_ORDER, and offsets int8, as floats. A short group reads past its row when the
+ * array goes on (the extra lanes zeroed), else copies. */
+typedef struct {
+    __m256 scales, offsets;
+} GroupWeights;
+
+TARGET static inline GroupWeights group_weights(const LinearJob *job, size_t at, int count, int past_end) {
+    const __m128i order = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    __m128i scales, offsets;
+    if (count == 8 || !past_end) {
+        scales = _mm_loadu_si128((const __m128i *)(const void *)(job->block_scales + at));
+        offsets = _mm_loadl_epi64((const __m128i *)(const void *)(job->offsets + at));
+        if (count < 8) {
+            static const int8_t keep[32] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+            scales = _mm_and_si128(scales, _mm_loadu_si128((const __m128i *)(const void *)(keep + 16 - 2 * count)));
+            offsets = _mm_and_si128(offsets, _mm_loadu_si128((const __m128i *)(const void *)(keep + 16 - count)));
+        }
+    } else {
+        uint16_t s[8] = {0};
+        int8_t o[16] = {0};
+        memcpy(s, job->block_scales + at, sizeof(uint16_t) * (size_t)count);
+        memcpy(o, job->offsets + at, (size_t)count);
+        scales = _mm_loadu_si128((const __m128i *)(const void *)s);
+        offsets = _mm_loadu_si128((const __m128i *)(const void *)o);
+    }
+    return (GroupWeights){_mm256_cvtph_ps(_mm_shuffle_epi8(scales, order)),
+                          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(offsets))};
+}
+
+#define INLINE_ALWAYS static inline __attribute__((always_inline))
+
+/* The +8 codes' products with one span of activations, as int16 pairs: lanes 0-7 the span's first
+ * block's, 8-15 its second's, each at most 2 (2 x 15 x 127) = 7,620. */
+TARGET INLINE_ALWAYS __m256i int4_pairs(const uint8_t *w, const int flip, __m256i even, __m256i odd) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i codes = _mm256_loadu_si256((const __m256i *)(const void *)w);
+    if (flip) codes = _mm256_xor_si256(codes, _mm256_set1_epi8((char)0x88));
+    const __m256i lo = _mm256_and_si256(codes, low), hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low);
+    return _mm256_add_epi16(_mm256_maddubs_epi16(lo, even), _mm256_maddubs_epi16(hi, odd));
+}
+
+/* Four spans' pairs (8 blocks) summed to one int32 per block, in GROUP_ORDER: in each 128-bit lane
+ * (a block of each span) int16 sums of 2, then 4 pairs (at most 30,480), then vpmaddwd. 12
+ * instructions for 4 spans, against 16 to scale each span's lanes on their own (vphaddw takes 2
+ * cycles here). */
+TARGET INLINE_ALWAYS __m256i group_dots(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
+    const __m256i q01 = _mm256_add_epi16(_mm256_unpacklo_epi64(p0, p1), _mm256_unpackhi_epi64(p0, p1)),
+                  q23 = _mm256_add_epi16(_mm256_unpacklo_epi64(p2, p3), _mm256_unpackhi_epi64(p2, p3));
+    const __m256 a = _mm256_castsi256_ps(q01), b = _mm256_castsi256_ps(q23);
+    const __m256i quads = _mm256_add_epi16(_mm256_castps_si256(_mm256_shuffle_ps(a, b, 0x88)),
+                                           _mm256_castps_si256(_mm256_shuffle_ps(a, b, 0xDD)));
+    return _mm256_madd_epi16(quads, _mm256_set1_epi16(1));
+}
+
+/* One group of `count` blocks (8, or fewer at a row's end) of rows o..o+R-1. In GROUP_ORDER, the
+ * blocks' dot products times the activations' scales, plus the bias (-8 x the codes' sum x scale),
+ * times the weights' scales into acc; the offsets times the activations' sums into offset_acc
+ * (later times the row's offset scale). R, flip and count are constants in each caller, so the
+ * loops unroll and the sums stay in registers. */
+TARGET INLINE_ALWAYS void int4_block_group(const LinearJob *job, const Act *a, int o, const int R, const int flip,
+                                           int g, const int count, const uint8_t *const *w, __m256 *acc,
+                                           __m256 *offset_acc) {
+    const int blocks = job->in / 32;
+    const size_t total = (size_t)job->out * blocks;
+    __m256i pairs[4][4];
+    for (int c = 0; c < 4; c++) {
+        const size_t span = 16 * (size_t)g + 32 * (size_t)c;
+        if (c >= count / 2) {
+            for (int r = 0; r < R; r++) pairs[r][c] = _mm256_setzero_si256();
+            continue;
+        }
+        const __m256i even = _mm256_load_si256((const __m256i *)(const void *)(a->even + span)),
+                      odd = _mm256_load_si256((const __m256i *)(const void *)(a->odd + span));
+        for (int r = 0; r < R; r++) {
+            if (c % 2 == 0) __builtin_prefetch(w[r] + span + LINEAR_AVX2_PREFETCH, 0, 2);
+            pairs[r][c] = int4_pairs(w[r] + span, flip, even, odd);
+        }
+    }
+    const __m256 x_scales = _mm256_load_ps(a->scales + g), bias = _mm256_load_ps(a->bias + g),
+                 sums = _mm256_load_ps(a->sums + g);
+    for (int r = 0; r < R; r++) {
+        const size_t at = (size_t)(o + r) * blocks + g;
+        if (SCALE_PREFETCH) {
+            __builtin_prefetch(job->block_scales + at + LINEAR_AVX2_PREFETCH / 8, 0, 2);
+            __builtin_prefetch(job->offsets + at + LINEAR_AVX2_PREFETCH / 8, 0, 2);
+        }
+        const GroupWeights gw = group_weights(job, at, count, count < 8 && at + 8 > total);
+        const __m256 dots = _mm256_cvtepi32_ps(group_dots(pairs[r][0], pairs[r][1], pairs[r][2], pairs[r][3]));
+        acc[r] = _mm256_fmadd_ps(_mm256_fmadd_ps(dots, x_scales, bias), gw.scales, acc[r]);
+        offset_acc[r] = _mm256_fmadd_ps(gw.offsets, sums, offset_acc[r]);
+    }
+}
+
+/* Rows o..o+R-1 (R <= 4) of one token, their sums not yet added across lanes: v[r]. */
+TARGET INLINE_ALWAYS void int4_group(const LinearJob *job, const Act *a, int o, const int R, const int flip, __m256 *v) {
+    const int blocks = job->in / 32;
+    const size_t bytes = (size_t)job->in / 2;
+    __m256 acc[4], offset_acc[4];
+    const uint8_t *w[4];
+    for (int r = 0; r < R; r++) {
+        acc[r] = offset_acc[r] = _mm256_setzero_ps();
+        w[r] = (const uint8_t *)job->codes + (size_t)(o + r) * bytes;
+    }
+    int g = 0;
+    for (; g + 8 <= blocks; g += 8) int4_block_group(job, a, o, R, flip, g, 8, w, acc, offset_acc);
+    switch (blocks - g) { /* in is a multiple of 64: whole spans */
+    case 2: int4_block_group(job, a, o, R, flip, g, 2, w, acc, offset_acc); break;
+    case 4: int4_block_group(job, a, o, R, flip, g, 4, w, acc, offset_acc); break;
+    case 6: int4_block_group(job, a, o, R, flip, g, 6, w, acc, offset_acc); break;
+    default: break;
+    }
+    for (int r = 0; r < R; r++) v[r] = _mm256_fmadd_ps(offset_acc[r], _mm256_broadcast_ss(job->row_scales + o + r), acc[r]);
+}
+
+TARGET INLINE_ALWAYS void int4_rows_of(const LinearJob *job, int first, int last, const int flip) {
+    for (int t = 0; t < job->tokens; t++) {
+        const Act a = act(job, t);
+        float *y = job->y + (size_t)t * job->out;
+        int o = first;
+        for (; o + 8 <= last; o += 8) {
+            __m256 v[8];
+            for (int i = 0; i < 8; i += INT4_ROWS) int4_group(job, &a, o + i, INT4_ROWS, flip, v + i);
+            _mm256_storeu_ps(y + o, sums8(v));
+        }
+        for (; o < last; o++) {
+            __m256 v;
+            int4_group(job, &a, o, 1, flip, &v);
+            y[o] = sum8(v);
+        }
+    }
+}
+
+TARGET static void int4_rows(const LinearJob *job, int first, int last) {
+    if (job->format == LINEAR_INT4)
+        int4_rows_of(job, first, last, 1);
+    else
+        int4_rows_of(job, first, last, 0);
+}
+
+/* ---- int8 and fp32 ------------------------------------------------------------------------- */
+
+/* Rows o..o+R-1 (R <= 4) of one token, their sums not yet added across lanes or scaled: v[r]. */
+TARGET INLINE_ALWAYS void int8_group(const LinearJob *job, const Act *a, int o, const int R, __m256 *v) {
+    const int in = job->in;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    const int8_t *w[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), w[r] = (const int8_t *)job->codes + (size_t)(o + r) * in;
+    for (int k = 0; k < in; k += 32) { /* one block */
+        const __m256i x = _mm256_load_si256((const __m256i *)(const void *)(a->even + k));
+        const __m256 x_scale = _mm256_broadcast_ss(a->scales + k / 32);
+        for (int r = 0; r < R; r++) {
+            if (k % 64 == 0) __builtin_prefetch(w[r] + k + LINEAR_AVX2_PREFETCH, 0, 2);
+            const __m256i codes = _mm256_loadu_si256((const __m256i *)(const void *)(w[r] + k));
+            const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(codes), _mm256_sign_epi8(x, codes));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), x_scale, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) v[r] = acc[r];
+}
+
+TARGET static void int8_rows(const LinearJob *job, int first, int last) {
+    for (int t = 0; t < job->tokens; t++) {
+        const Act a = act(job, t);
+        float *y = job->y + (size_t)t * job->out;
+        int o = first;
+        for (; o + 8 <= last; o += 8) {
+            __m256 v[8];
+            for (int i = 0; i < 8; i += INT8_ROWS) int8_group(job, &a, o + i, INT8_ROWS, v + i);
+            _mm256_storeu_ps(y + o, _mm256_mul_ps(sums8(v), _mm256_loadu_ps(job->row_scales + o)));
+        }
+        for (; o < last; o++) {
+            __m256 v;
+            int8_group(job, &a, o, 1, &v);
+            y[o] = job->row_scales[o] * sum8(v);
+        }
+    }
+}
+
+/* Lanes below n (0-8) set: a partial vector's mask for vmaskmov. */
+TARGET static inline __m256i first_lanes(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* One row at a time, as the VNNI path: a single stream per thread, prefetched ahead. */
+TARGET static void f32_rows(const LinearJob *job, int first, int last) {
+    const int in = job->in;
+    for (int t = 0; t < job->tokens; t++) {
+        const float *x = job->x + (size_t)t * in;
+        for (int o = first; o < last; o++) {
+            const float *w = (const float *)job->codes + (size_t)o * in;
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            int k = 0;
+            for (; k + 32 <= in; k += 32) {
+                _mm_prefetch((const char *)(w + k) + LINEAR_AVX2_PREFETCH, _MM_HINT_T0);
+                _mm_prefetch((const char *)(w + k + 16) + LINEAR_AVX2_PREFETCH, _MM_HINT_T0);
+                for (int i = 0; i < 4; i++)
+                    acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8 * i), _mm256_loadu_ps(x + k + 8 * i), acc[i]);
+            }
+            for (; k < in; k += 8) {
+                const __m256i m = first_lanes(in - k);
+                acc[0] = _mm256_fmadd_ps(_mm256_maskload_ps(w + k, m), _mm256_maskload_ps(x + k, m), acc[0]);
+            }
+            job->y[(size_t)t * job->out + o] =
+                sum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+        }
+    }
+}
+
+void linear_avx2_rows(const LinearJob *job, int first, int last) {
+    (linear_format_int4(job->format) ? int4_rows : job->format == LINEAR_F32 ? f32_rows : int8_rows)(job, first, last);
+}
+
+/* ---- gates --------------------------------------------------------------------------------- */
+
+/* e^x for 8 lanes as linear.c's exp16: x = n ln 2 + r, e^r by its Taylor series to r^7, times 2^n
+ * built from its exponent bits (no vscalefps in AVX2; n stays within the normal range). */
+TARGET static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r); /* ln 2 in two parts: r stays exact */
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    static const float taylor[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    for (int i = 0; i < 7; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(taylor[i]));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+TARGET static inline __m256 gate8(__m256 x, int gate) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    if (gate == LINEAR_GATE_SILU) return _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+    /* 0.5 x (1 + tanh y) = x (1 - 1 / (e^(2y) + 1)) */
+    const __m256 y = _mm256_mul_ps(_mm256_set1_ps(0.7978845608f),
+                                   _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), x), _mm256_mul_ps(x, x), x));
+    const __m256 e = exp8(_mm256_add_ps(y, y));
+    return _mm256_mul_ps(x, _mm256_sub_ps(one, _mm256_div_ps(one, _mm256_add_ps(e, one))));
+}
+
+TARGET void linear_avx2_gate(const float *g, const float *u, float *out, size_t n, int gate) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(gate8(_mm256_loadu_ps(g + i), gate), _mm256_loadu_ps(u + i)));
+    if (i < n) {
+        const __m256i m = first_lanes((int)(n - i));
+        _mm256_maskstore_ps(out + i, m, _mm256_mul_ps(gate8(_mm256_maskload_ps(g + i, m), gate), _mm256_maskload_ps(u + i, m)));
+    }
+}
+#endif
