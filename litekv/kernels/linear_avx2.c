@@ -2,20 +2,25 @@
  * AVX-512 VNNI (AMD Zen 2 and 3, Intel before Ice Lake). It computes what the VNNI path in linear.c
  * does, with the same numbers: activations quantized to int8 per block of 32 (scale = largest
  * |x| / 127, rounded to nearest even), weights as stored, the products exact in integers.
- * - AVX2 has no vpdpbusd. vpmaddubsw (u8 x s8, adjacent pairs summed to int16, saturating) then
- *   vpmaddwd by ones (to int32) adds the same, and nothing saturates: an int4 pair is at most
- *   2 * 15 * 127, and the even and odd nibbles' pairs added still fit; an int8 pair 2 * 128 * 127.
+ * - AVX2 has no vpdpbusd. vpmaddubsw (u8 x s8, adjacent pairs summed to int16, saturating) and
+ *   vpmaddwd by ones (int16 pairs to int32) add the same, and nothing saturates (below).
  * - int4: a 32-byte span of a row holds 64 codes, two blocks. XOR 0x88 turns each signed nibble
  *   into code + 8, unsigned (LINEAR_UINT4 holds that already); the low nibbles meet the even
- *   activations and the high the odd (split out once per call). After vpmaddwd the span's low
- *   128 bits are its first block's four int32 lanes and the high 128 its second's, so one in-lane
- *   vpermilps spreads the blocks' scales when a group of 8 blocks keeps its scales in the order
- *   0 2 4 6 | 1 3 5 7 (GROUP_ORDER). The +8 comes off per block in float (-8 x the block's code sum,
- *   times its scales), as does the offsets' share: once per 8 blocks, not per span.
- * - int8: |code| against the activation carrying the code's sign (vpsignb); a span is one block.
+ *   activations and the high the odd (split out once per call), each int16 pair at most
+ *   2 x 15 x 127 and both nibbles' 7,620. A span's low 128 bits hold its first block and the high
+ *   its second, so 4 spans (8 blocks) add their pairs per block in int16 by unpacks and shuffles
+ *   that keep the halves (at most 30,480), then vpmaddwd: one int32 per block, converted and
+ *   scaled once per 8 blocks, in the order 0 2 4 6 | 1 3 5 7 (GROUP_ORDER: the activations' scales
+ *   are prepared so, the weights' float16 scales shuffled so). The +8 comes off per block in float
+ *   (-8 x the block's code sum x its scale), and the offsets' share is added per 8 blocks too.
+ * - int8: |code| against the activation carrying the code's sign (vpsignb), a pair at most
+ *   2 x 128 x 127; a span is one block.
  * - fp32: a float dot product per row, four sums, prefetched.
- * A decode step's linears are bound by memory (about 33 GB/s here with both cores), so the loops
- * keep to 11 vector instructions per 32 bytes of int4 codes and 6 of int8. */
+ * A decode step's linears are bound by memory: SmolLM2's int4 step (92 MB) reads at 26-28 GB/s
+ * with both threads where a plain read reaches 28-30; in cache a core computes int4 rows of 576
+ * codes at 19 GB/s, of 1536 at 28, int8 at 33. Each thread reads one row at a time, a single
+ * stream the hardware prefetchers follow: 2 or 4 rows interleaved computed faster in cache but
+ * read the step 10-20 % slower. */
 #include "linear.h"
 
 #if LITEKV_LINEAR_AVX2
@@ -23,18 +28,6 @@
 #include <string.h>
 
 #define TARGET __attribute__((target("avx2,fma,f16c")))
-#ifndef INT4_ROWS
-#define INT4_ROWS 2
-#endif
-#ifndef INT8_ROWS
-#define INT8_ROWS 4
-#endif
-#ifndef PF_LOCALITY
-#define PF_LOCALITY 2
-#endif
-#ifndef SCALE_PREFETCH
-#define SCALE_PREFETCH 1
-#endif
 #ifndef LINEAR_AVX2_PREFETCH
 #define LINEAR_AVX2_PREFETCH 4096 /* bytes ahead: the hardware prefetcher stops at 4 KB pages */
 #endif
@@ -59,8 +52,8 @@ typedef struct {
 
 static size_t padded_blocks(int in) { return ((size_t)in / 32 + 7) / 8 * 8; }
 
-/* Where block i of a group of 8 sits: the span holding blocks 2c and 2c + 1 finds their scales at c
- * and 4 + c, the lanes vpermilps picks for its low and high 128 bits. */
+/* Where block i of a group of 8 sits in GROUP_ORDER: span c's blocks 2c and 2c + 1 at c and 4 + c,
+ * where group_dots leaves their sums (each span's low 128 bits, then its high). */
 static int group_position(int i) { return i % 2 * 4 + i / 2; }
 
 size_t linear_avx2_stride(const LinearJob *job) {
@@ -98,11 +91,13 @@ TARGET static inline int sum8i(__m256i v) {
 TARGET static inline __m256 sums8(const __m256 v[8]) {
     __m256 pair[4], quad[2];
     for (int i = 0; i < 4; i++) /* lanes: v[2i] 0+1, 2+3, v[2i+1] 0+1, 2+3 | the same for lanes 4-7 */
-        pair[i] = _mm256_add_ps(_mm256_shuffle_ps(v[2 * i], v[2 * i + 1], 0x88), _mm256_shuffle_ps(v[2 * i], v[2 * i + 1], 0xDD));
+        pair[i] = _mm256_add_ps(_mm256_shuffle_ps(v[2 * i], v[2 * i + 1], 0x88),
+                                _mm256_shuffle_ps(v[2 * i], v[2 * i + 1], 0xDD));
     for (int i = 0; i < 2; i++) /* v[4i..4i+3], each a half's sum | the other half's */
         quad[i] = _mm256_add_ps(_mm256_shuffle_ps(pair[2 * i], pair[2 * i + 1], 0x88),
                                 _mm256_shuffle_ps(pair[2 * i], pair[2 * i + 1], 0xDD));
-    return _mm256_add_ps(_mm256_permute2f128_ps(quad[0], quad[1], 0x20), _mm256_permute2f128_ps(quad[0], quad[1], 0x31));
+    return _mm256_add_ps(_mm256_permute2f128_ps(quad[0], quad[1], 0x20),
+                         _mm256_permute2f128_ps(quad[0], quad[1], 0x31));
 }
 
 typedef struct {
@@ -245,7 +240,7 @@ TARGET INLINE_ALWAYS RowSums int4_block_group(const LinearJob *job, const Act *a
     for (int c = 0; c < 4; c++) {
         const size_t span = 16 * (size_t)g + 32 * (size_t)c;
         if (c < count / 2) {
-            if (c % 2 == 0) __builtin_prefetch(w + span + LINEAR_AVX2_PREFETCH, 0, PF_LOCALITY);
+            if (c % 2 == 0) __builtin_prefetch(w + span + LINEAR_AVX2_PREFETCH, 0, 2);
             pairs[c] = int4_pairs(w + span, flip, _mm256_load_si256((const __m256i *)(const void *)(a->even + span)),
                                   _mm256_load_si256((const __m256i *)(const void *)(a->odd + span)));
         } else {
@@ -253,10 +248,6 @@ TARGET INLINE_ALWAYS RowSums int4_block_group(const LinearJob *job, const Act *a
         }
     }
     const size_t at = (size_t)o * blocks + g;
-    if (SCALE_PREFETCH) {
-        __builtin_prefetch(job->block_scales + at + LINEAR_AVX2_PREFETCH / 8, 0, PF_LOCALITY);
-        __builtin_prefetch(job->offsets + at + LINEAR_AVX2_PREFETCH / 8, 0, PF_LOCALITY);
-    }
     const GroupWeights gw = group_weights(job, at, count, count < 8 && at + 8 > (size_t)job->out * blocks);
     const __m256 dots = _mm256_cvtepi32_ps(group_dots(pairs[0], pairs[1], pairs[2], pairs[3]));
     const __m256 x_side = _mm256_fmadd_ps(dots, _mm256_load_ps(a->scales + g), _mm256_load_ps(a->bias + g));
@@ -280,9 +271,7 @@ TARGET INLINE_ALWAYS __m256 int4_row(const LinearJob *job, const Act *a, int o, 
     return _mm256_fmadd_ps(sums.offsets, _mm256_broadcast_ss(job->row_scales + o), sums.codes);
 }
 
-/* One row at a time: a single stream of codes per thread, which the hardware prefetchers follow
- * (2 or 4 rows interleaved read the step's linears 10-20 % slower, though they computed faster
- * in cache). Rows' sums are added across lanes 8 at a time. */
+/* One row at a time (a single stream), their sums added across lanes 8 rows at a time. */
 TARGET INLINE_ALWAYS void int4_rows_of(const LinearJob *job, int first, int last, const int flip) {
     for (int t = 0; t < job->tokens; t++) {
         const Act a = act(job, t);
@@ -323,7 +312,7 @@ TARGET INLINE_ALWAYS __m256 int8_row(const LinearJob *job, const Act *a, int o) 
     __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
     int k = 0;
     for (; k + 64 <= in; k += 64) {
-        __builtin_prefetch(w + k + LINEAR_AVX2_PREFETCH, 0, PF_LOCALITY);
+        __builtin_prefetch(w + k + LINEAR_AVX2_PREFETCH, 0, 2);
         even = int8_block(w, a, k, even);
         odd = int8_block(w, a, k + 32, odd);
     }
@@ -398,20 +387,23 @@ TARGET static inline __m256 exp8(__m256 x) {
 
 TARGET static inline __m256 gate8(__m256 x, int gate) {
     const __m256 one = _mm256_set1_ps(1.0f);
-    if (gate == LINEAR_GATE_SILU) return _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+    if (gate == LINEAR_GATE_SILU)
+        return _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
     /* 0.5 x (1 + tanh y) = x (1 - 1 / (e^(2y) + 1)) */
-    const __m256 y = _mm256_mul_ps(_mm256_set1_ps(0.7978845608f),
-                                   _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), x), _mm256_mul_ps(x, x), x));
+    const __m256 cubic = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), x), _mm256_mul_ps(x, x), x);
+    const __m256 y = _mm256_mul_ps(_mm256_set1_ps(0.7978845608f), cubic);
     const __m256 e = exp8(_mm256_add_ps(y, y));
     return _mm256_mul_ps(x, _mm256_sub_ps(one, _mm256_div_ps(one, _mm256_add_ps(e, one))));
 }
 
 TARGET void linear_avx2_gate(const float *g, const float *u, float *out, size_t n, int gate) {
     size_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(gate8(_mm256_loadu_ps(g + i), gate), _mm256_loadu_ps(u + i)));
-    if (i < n) {
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(gate8(_mm256_loadu_ps(g + i), gate), _mm256_loadu_ps(u + i)));
+    if (i < n) { /* the tail, masked */
         const __m256i m = first_lanes((int)(n - i));
-        _mm256_maskstore_ps(out + i, m, _mm256_mul_ps(gate8(_mm256_maskload_ps(g + i, m), gate), _mm256_maskload_ps(u + i, m)));
+        const __m256 act = gate8(_mm256_maskload_ps(g + i, m), gate);
+        _mm256_maskstore_ps(out + i, m, _mm256_mul_ps(act, _mm256_maskload_ps(u + i, m)));
     }
 }
 #endif
