@@ -21,6 +21,7 @@
 #include "attention_common.h" /* half_to_float, LITEKV_INT8_DOT */
 
 #include <math.h>
+#include <stdatomic.h>
 #include <string.h>
 
 /* Weight bytes per task: at least 8 tasks a call, so the helper's share evens out, each of 16-128 KB.
@@ -347,9 +348,10 @@ static int find_cpu_vector(void) {
 }
 
 int linear_cpu_vector(void) {
-    static int found = -1; /* every thread finds the same */
-    if (found < 0) found = find_cpu_vector();
-    return found;
+    static _Atomic int found = -1; /* any thread may find it first: each finds the same */
+    int path = atomic_load_explicit(&found, memory_order_relaxed);
+    if (path < 0) atomic_store_explicit(&found, path = find_cpu_vector(), memory_order_relaxed);
+    return path;
 }
 
 /* Whether the vector paths take a job's shapes (both the same ones). */
