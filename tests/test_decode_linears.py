@@ -63,6 +63,83 @@ def test_linears_match_numpy(vector, out_dim, in_dim):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3 * np.abs(want).max())
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1] for line in lines if line.startswith("flags")), "").split())
+
+
+# The linears' integer paths (kernels/linear.c with AVX-512 VNNI, linear_avx2.c with AVX2, FMA and F16C)
+_FLAGS = _cpu_flags()
+INTEGER_LINEARS = {"avx2", "fma", "f16c"} <= _FLAGS or {"avx512f", "avx512bw", "avx512_vnni"} <= _FLAGS
+
+
+def quantized_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [T, in] as the integer paths quantize it: per block of 32, codes rint(x * (127 / largest |x|))
+    in float32 (ties to even, as vcvtps2dq) and the scale largest / 127: ([T, blocks, 32], [T, blocks])."""
+    blocks = x.reshape(len(x), -1, 32)
+    largest = np.abs(blocks).max(axis=2)
+    inverse = np.divide(np.float32(127), largest, out=np.zeros_like(largest), where=largest > 0)
+    return np.rint(blocks * inverse[..., None]).astype(np.float64), (largest / np.float32(127)).astype(np.float64)
+
+
+def signed_nibbles(packed: np.ndarray) -> np.ndarray:
+    """TFLite's int4 [out, in/2] (two's complement, the even element low) as codes [out, in]."""
+    codes = np.empty((len(packed), 2 * packed.shape[1]), np.int64)
+    codes[:, 0::2], codes[:, 1::2] = packed & 0xF, packed >> 4
+    return (codes ^ 8) - 8
+
+
+def integer_reference(x: np.ndarray, codes: np.ndarray, row_scales: np.ndarray, block_scales=None, offsets=None):
+    """In float64, what the integer paths compute: the quantized activations' dot products with the
+    codes per block, times both scales; for int4 plus offset x row scale x x's own block sum.
+    Also the magnitude of the terms added, which bounds float32's reordering error."""
+    q, x_scales = quantized_blocks(x)
+    w = codes.astype(np.float64).reshape(len(codes), -1, 32)
+    dots = np.einsum("tbk,obk->tob", q, w)
+    if block_scales is None:  # int8: the row's scale
+        scales = x_scales[:, None, :] * row_scales.astype(np.float64)[None, :, None]
+        magnitude = np.einsum("tbk,obk->tob", np.abs(q), np.abs(w)) * np.abs(scales)
+        return (dots * scales).sum(axis=2), magnitude.sum(axis=2)
+    weight_scales = block_scales.astype(np.float64)[None]
+    offset_terms = (offsets.astype(np.float64) * row_scales.astype(np.float64)[:, None])[None] * \
+        x.reshape(len(x), -1, 32).astype(np.float64).sum(axis=2)[:, None, :]
+    terms = dots * x_scales[:, None, :] * weight_scales + offset_terms
+    # the kernels add code + 8 and take 8 x the codes' sum off again: both count
+    code_sums = 8 * np.abs(q.sum(axis=2))[:, None, :]
+    magnitude = (np.abs(dots) + code_sums) * x_scales[:, None, :] * np.abs(weight_scales) + np.abs(offset_terms)
+    return terms.sum(axis=2), magnitude.sum(axis=2)
+
+
+@pytest.mark.skipif(not INTEGER_LINEARS, reason="the integer linears need AVX2 (+FMA, F16C) or AVX-512 VNNI")
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("out_dim, in_dim", [(37, 576), (5, 64), (101, 192), (13, 1088), (9, 320), (22, 448),
+                                             (11, 384), (3, 1536), (8, 96)])
+def test_integer_linears_compute_what_they_quantize(tokens, out_dim, in_dim):
+    """The integer paths (on this CPU: VNNI, else AVX2) against their own arithmetic in float64, to
+    float32's reordering: every block group's tail (in = 64 (2 blocks), 320, 384, 448: 2, 4, 6 left
+    over), rows not a multiple of 4 or 8, activations whose blocks differ 1000x in size, and more
+    than one token. A wrong nibble, scale, offset or lane is far outside; so is the portable path,
+    which does not quantize (in = 96 is an odd number of blocks: int8 only)."""
+    rng = np.random.default_rng(out_dim * in_dim + tokens)
+    w = rng.normal(size=(out_dim, in_dim)).astype(np.float32) + 0.3
+    x = rng.normal(size=(tokens, in_dim)).astype(np.float32)
+    x[:, :32] *= 1000.0
+    x[:, 32:64] *= 0.001
+    kernel = AttentionKernel(16, 4, 64, threads=2)
+    codes8, scales8 = int8_per_channel(w)
+    cases = [((codes8, scales8), integer_reference(x, codes8, scales8))]
+    if in_dim % 64 == 0:
+        packed, scales, offset_codes, offset_scales, _ = int4_operands(w)
+        cases.append(((packed, offset_scales, scales, offset_codes),
+                      integer_reference(x, signed_nibbles(packed), offset_scales, scales, offset_codes)))
+    for operands, (want, magnitude) in cases:
+        got = kernel.run_linear(x, *operands)
+        assert np.all(np.abs(got - want) <= 1e-5 * magnitude), (operands[0].dtype, np.abs(got - want).max())
+
+
 def test_linear_refuses_shapes_that_do_not_fit():
     kernel = AttentionKernel(16, 4, 64, threads=1)
     with pytest.raises(ValueError, match="rejected"):

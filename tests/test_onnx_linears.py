@@ -21,7 +21,7 @@ from litekv.converters.quantize import int8_per_channel
 from litekv.executor import open_executor
 from litekv.native_attention import AttentionKernel
 from model_factory import ARCHITECTURES
-from test_decode_linears import int4_operands, rounding_bound
+from test_decode_linears import INTEGER_LINEARS, int4_operands, integer_reference, rounding_bound, signed_nibbles
 
 pytestmark = pytest.mark.skipif(not native_attention.available(), reason="the linears are litekv's kernels")
 
@@ -101,6 +101,45 @@ def test_a_gated_linear_applies_its_activation_to_the_first_half(gate, vector):
     rows = plain.run(None, {"x": x})[0]
     act = {"silu": silu, "gelu_tanh": gelu_tanh}[gate]
     np.testing.assert_allclose(model.run(None, {"x": x})[0], act(rows[:, :40]) * rows[:, 40:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not INTEGER_LINEARS, reason="the integer linears need AVX2 (+FMA, F16C) or AVX-512 VNNI")
+@pytest.mark.parametrize("out_dim, in_dim", [(37, 576), (5, 64), (13, 1088), (22, 448), (11, 384)])
+def test_linear_int4_computes_what_it_quantizes(out_dim, in_dim):
+    """LinearInt4's unsigned nibbles (MatMulNBits' layout, LINEAR_UINT4) on the integer path (this
+    CPU's VNNI or AVX2) against its own arithmetic in float64, one token and three, every block
+    group's tail, rows not a multiple of 4 or 8; gated, the gate of those rows."""
+    rng = np.random.default_rng(out_dim * in_dim)
+    w = rng.normal(size=(2 * out_dim, in_dim)).astype(np.float32) - 0.2
+    kernel = AttentionKernel(16, 4, 64, threads=2)
+    inputs, _ = onnx_int4(w)
+    plain = session(op_model("LinearInt4", in_dim, 2 * out_dim, inputs), kernel)
+    gated = session(op_model("LinearInt4", in_dim, out_dim, inputs, gate=GATES.index("silu") + 1), kernel)
+    signed = signed_nibbles(inputs["codes"].reshape(len(w), -1) ^ 0x88)
+    for tokens in (1, 3):
+        x = rng.normal(size=(tokens, in_dim)).astype(np.float32)
+        x[:, :32] *= 1000.0
+        want, magnitude = integer_reference(x, signed, inputs["offset_scales"], inputs["scales"], inputs["offsets"])
+        got = plain.run(None, {"x": x})[0]
+        assert np.all(np.abs(got - want) <= 1e-5 * magnitude)
+        with np.errstate(over="ignore"):  # e^-x of the large rows: silu is 0 there, as the kernel's
+            act = silu(got[:, :out_dim].astype(np.float64))
+        np.testing.assert_allclose(gated.run(None, {"x": x})[0], act * got[:, out_dim:], rtol=1e-5,
+                                   atol=1e-5 * np.abs(got).max())
+
+
+@pytest.mark.parametrize("vector", [True, False], ids=["vector-if-present", "portable"])
+def test_linear_f32_takes_any_width(vector):
+    """LinearF32 over widths below one vector, between vectors and past the 32-float loop: 1, 5, 8,
+    33, 100, 257; rows not a multiple of 8, three tokens."""
+    rng = np.random.default_rng(12)
+    kernel = AttentionKernel(16, 4, 64, threads=2, int8_dot=vector)
+    for in_dim, out_dim in ((1, 3), (5, 11), (8, 9), (33, 17), (100, 35), (257, 6)):
+        w = rng.normal(size=(out_dim, in_dim)).astype(np.float32)
+        x = rng.normal(size=(3, in_dim)).astype(np.float32)
+        want = x.astype(np.float64) @ w.T.astype(np.float64)
+        got = session(op_model("LinearF32", in_dim, out_dim, {"weight": w}), kernel).run(None, {"x": x})[0]
+        assert np.all(np.abs(got - want) <= 1e-5 * (np.abs(x) @ np.abs(w).T))
 
 
 def test_shapes_that_disagree_and_unknown_gates_are_refused():
@@ -270,6 +309,22 @@ def test_gate_applies_its_activation_to_the_first_half(gate, vector):
         x = rng.normal(size=(3, 2 * half)).astype(np.float32) * 4
         got = session(gate_model(2 * half, GATES.index(gate) + 1), kernel).run(None, {"x": x})[0]
         np.testing.assert_allclose(got, act(x[:, :half].astype(np.float64)) * x[:, half:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("gate", GATES)
+def test_gate_holds_at_extremes_and_every_tail(gate):
+    """Gate (on this CPU's vector path, else the scalar one) where exp saturates or underflows
+    (|x| up to 200), at 0, and over widths leaving every partial vector (1-9, 15-17), three tokens."""
+    rng = np.random.default_rng(13)
+    kernel = AttentionKernel(16, 4, 64, threads=1)
+    act = {"silu": silu, "gelu_tanh": gelu_tanh}[gate]
+    for half in (*range(1, 10), 15, 16, 17, 64):
+        x = (rng.normal(size=(3, 2 * half)) * 30).astype(np.float32)
+        x[0, : min(half, 6)] = np.array([-200, -90, -0.0, 0.0, 90, 200], np.float32)[: min(half, 6)]
+        got = session(gate_model(2 * half, GATES.index(gate) + 1), kernel).run(None, {"x": x})[0]
+        want = act(x[:, :half].astype(np.float64)) * x[:, half:]
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-5)
 
 
 def test_gate_refuses_an_odd_width_and_unknown_gates():

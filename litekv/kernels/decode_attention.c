@@ -98,7 +98,7 @@ typedef struct {
     Digits digits;
     Part *parts;           /* [max_parts] */
     int max_slots, max_parts, int8_dot;
-    int vector_linears; /* the linears' VNNI path: allowed (AttentionConfig.int8_dot) and on this CPU */
+    int vector_linears; /* the linears' vector path: allowed (AttentionConfig.int8_dot) and on this CPU */
     pthread_t helper;
     pthread_mutex_t lock;
     pthread_cond_t wake;
@@ -614,7 +614,7 @@ static State *state_create(int heads, int head_dim, int max_slots, int threads, 
     const size_t width = (size_t)heads * head_dim;
     st->max_slots = max_slots;
 #if LITEKV_INT8_DOT
-    st->vector_linears = int8_dot && litekv_cpu_has_int8_dot(); /* once: the linears run 121 times a step */
+    st->vector_linears = int8_dot && linear_cpu_vector(); /* VNNI or AVX2; once: the linears run 121 times a step */
 #endif
     const int smallest = CHUNK_SLOTS < FLOAT_CHUNK_SLOTS ? CHUNK_SLOTS : FLOAT_CHUNK_SLOTS;
     st->max_parts = (max_slots + smallest - 1) / smallest;

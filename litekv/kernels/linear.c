@@ -14,12 +14,14 @@
  * - int8: vpdpbusd wants one unsigned operand: |code| against the activation with the code's sign;
  *   the lanes take their block's activation scale, the row its weights' scale.
  * - fp32 (an LM head): a float dot product per row, streamed and prefetched.
- * Elsewhere a portable float loop computes the same (without quantizing the activations). */
+ * Without VNNI but with AVX2 (+FMA, F16C), linear_avx2.c computes the same as this path. Elsewhere a
+ * portable float loop computes the same (without quantizing the activations). */
 #include "linear.h"
 
 #include "attention_common.h" /* half_to_float, LITEKV_INT8_DOT */
 
 #include <math.h>
+#include <stdatomic.h>
 #include <string.h>
 
 /* Weight bytes per task: at least 8 tasks a call, so the helper's share evens out, each of 16-128 KB.
@@ -313,15 +315,19 @@ TARGET static void gate_vector(const float *g, const float *u, float *out, size_
 #endif
 
 void linear_gate(const float *rows, float *y, size_t tokens, size_t half, int gate) {
-#if LITEKV_INT8_DOT
-    const int vector = litekv_cpu_has_int8_dot(); /* AVX-512 F, with VNNI */
-#endif
+    const int vector = linear_cpu_vector(); /* VNNI implies AVX-512 F */
     for (size_t t = 0; t < tokens; t++) {
         const float *g = rows + 2 * half * t, *u = g + half;
         float *out = y + half * t;
 #if LITEKV_INT8_DOT
-        if (vector) {
+        if (vector == LINEAR_VNNI) {
             gate_vector(g, u, out, half, gate);
+            continue;
+        }
+#endif
+#if LITEKV_LINEAR_AVX2
+        if (vector == LINEAR_AVX2) {
+            linear_avx2_gate(g, u, out, half, gate);
             continue;
         }
 #endif
@@ -331,23 +337,40 @@ void linear_gate(const float *rows, float *y, size_t tokens, size_t half, int ga
 
 /* ---- entry points --------------------------------------------------------------------------- */
 
-static int vector_path(const LinearJob *job) {
+static int find_cpu_vector(void) {
 #if LITEKV_INT8_DOT
+    if (litekv_cpu_has_int8_dot()) return LINEAR_VNNI;
+#endif
+#if LITEKV_LINEAR_AVX2
+    if (linear_cpu_has_avx2()) return LINEAR_AVX2;
+#endif
+    return LINEAR_PORTABLE;
+}
+
+int linear_cpu_vector(void) {
+    static _Atomic int found = -1; /* any thread may find it first: each finds the same */
+    int path = atomic_load_explicit(&found, memory_order_relaxed);
+    if (path < 0) atomic_store_explicit(&found, path = find_cpu_vector(), memory_order_relaxed);
+    return path;
+}
+
+/* Whether the vector paths take a job's shapes (both the same ones). */
+static int vector_shapes(const LinearJob *job) {
     if (job->format == LINEAR_F32) return 1;
     return job->in % 32 == 0 && (job->format == LINEAR_INT8 || (job->block == 32 && job->in % 64 == 0));
-#else
-    (void)job;
-    return 0;
-#endif
 }
 
 size_t linear_scratch_bytes(const LinearJob *job) {
+    if (job->format == LINEAR_F32) return 64; /* read as it is */
+    switch (linear_cpu_vector()) {
 #if LITEKV_INT8_DOT
-    return job->format == LINEAR_F32 ? 64 : (size_t)job->tokens * prepared_stride(job); /* f32: read as it is */
-#else
-    (void)job;
-    return 0;
+    case LINEAR_VNNI: return (size_t)job->tokens * prepared_stride(job);
 #endif
+#if LITEKV_LINEAR_AVX2
+    case LINEAR_AVX2: return (size_t)job->tokens * linear_avx2_stride(job);
+#endif
+    default: return 0;
+    }
 }
 
 void linear_prepare(LinearJob *job, void *scratch) {
@@ -355,13 +378,20 @@ void linear_prepare(LinearJob *job, void *scratch) {
     const size_t task = whole > TASK_MAX_BYTES ? TASK_MAX_BYTES : whole < TASK_MIN_BYTES ? TASK_MIN_BYTES : whole;
     int rows = (int)(task / (bytes ? bytes : 1));
     job->rows_per_task = rows < 4 ? 4 : rows / 4 * 4;
-    job->vector = scratch && vector_path(job);
+    job->vector = scratch && vector_shapes(job) ? linear_cpu_vector() : LINEAR_PORTABLE;
+    if (job->format == LINEAR_F32) return;
+    job->prepared = scratch;
 #if LITEKV_INT8_DOT
-    if (job->vector && job->format != LINEAR_F32) {
-        job->prepared = scratch;
+    if (job->vector == LINEAR_VNNI) {
         job->prepared_stride = prepared_stride(job);
         for (int t = 0; t < job->tokens; t++)
             prepare_token(job, job->x + (size_t)t * job->in, (uint8_t *)scratch + (size_t)t * job->prepared_stride);
+    }
+#endif
+#if LITEKV_LINEAR_AVX2
+    if (job->vector == LINEAR_AVX2) {
+        job->prepared_stride = linear_avx2_stride(job);
+        linear_avx2_prepare(job);
     }
 #endif
 }
@@ -370,10 +400,16 @@ void linear_task(const LinearJob *job, int task) {
     const int first = task * job->rows_per_task, end = first + job->rows_per_task,
               last = end < job->out ? end : job->out;
 #if LITEKV_INT8_DOT
-    if (job->vector) {
+    if (job->vector == LINEAR_VNNI) {
         (linear_format_int4(job->format) ? int4_rows_vnni
          : job->format == LINEAR_F32    ? f32_rows_vector
                                         : int8_rows_vnni)(job, first, last);
+        return;
+    }
+#endif
+#if LITEKV_LINEAR_AVX2
+    if (job->vector == LINEAR_AVX2) {
+        linear_avx2_rows(job, first, last);
         return;
     }
 #endif

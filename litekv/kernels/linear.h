@@ -29,19 +29,25 @@ typedef struct {
     const float *row_scales;      /* int4: the offsets' scale per row; int8: the codes'; f32: NULL */
     int format, tokens, in, out, block;
     int rows_per_task;
-    /* filled by linear_prepare from x: the activations as int8 (vector path) */
-    int vector; /* whether the AVX-512 VNNI path runs */
+    /* filled by linear_prepare from x: the activations as int8 (vector paths) */
+    int vector; /* the path that runs: LINEAR_PORTABLE, LINEAR_VNNI or LINEAR_AVX2 */
     void *prepared;
     size_t prepared_stride; /* bytes per token */
 } LinearJob;
+
+/* The paths a job can take: float loops anywhere, AVX-512 VNNI (linear.c), or AVX2 with FMA and F16C
+ * where the CPU lacks VNNI (linear_avx2.c). Both vector paths quantize the activations alike. */
+enum { LINEAR_PORTABLE = 0, LINEAR_VNNI = 1, LINEAR_AVX2 = 2 };
+/* The vector path this CPU runs (checked once), or LINEAR_PORTABLE. */
+int linear_cpu_vector(void);
 
 /* Checks the shapes; 0 when the job can run. */
 int linear_check(const LinearJob *job);
 /* Bytes of scratch linear_prepare needs for a job's activations. */
 size_t linear_scratch_bytes(const LinearJob *job);
-/* Chooses the path and, for the vector path, writes the activations into `scratch` (64-byte
- * aligned, linear_scratch_bytes long). Run once per call, before the tasks. Pass a scratch only
- * where the CPU has AVX-512 VNNI (litekv_cpu_has_int8_dot); NULL runs the portable path. */
+/* Chooses the path and, for a vector path, writes the activations into `scratch` (64-byte
+ * aligned, linear_scratch_bytes long). Run once per call, before the tasks. A scratch lets the
+ * CPU's vector path run (linear_cpu_vector), where the shapes allow; NULL runs the portable path. */
 void linear_prepare(LinearJob *job, void *scratch);
 int linear_tasks(const LinearJob *job);
 /* Rows [task * rows_per_task, ...) of y for every token. */
@@ -70,5 +76,18 @@ void int4_offsets_tile(const Int4Offsets *job, int tile, float *weights);
 
 /* rope.c: x and out [tokens][heads][dim], cos and sin [tokens][dim]; out = x cos + rotate_half(x) sin. */
 void rope_apply(const float *x, const float *cos, const float *sin, float *out, int tokens, int heads, int dim);
+
+/* linear_avx2.c, the AVX2 path (x86-64 with GCC or Clang only): linear_prepare and linear_task call
+ * it where linear_cpu_vector is LINEAR_AVX2, and linear_gate too. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define LITEKV_LINEAR_AVX2 1
+int linear_cpu_has_avx2(void); /* AVX2, FMA and F16C */
+size_t linear_avx2_stride(const LinearJob *job); /* prepared bytes per token */
+void linear_avx2_prepare(const LinearJob *job);  /* into job->prepared, job->prepared_stride apart */
+void linear_avx2_rows(const LinearJob *job, int first, int last);
+void linear_avx2_gate(const float *g, const float *u, float *out, size_t n, int gate); /* out = act(g) u */
+#else
+#define LITEKV_LINEAR_AVX2 0
+#endif
 
 #endif
