@@ -604,7 +604,7 @@ def test_avx2_path_reads_a_head_major_cache(cache, head_dim, lo, hi, threads):
     heads, kv_heads, slots = 9, 3, 1024
     q, k, v, _, _, _, keys, values = cache_case(cache, heads, kv_heads, head_dim, slots, slots, seed=head_dim + lo)
     k, v = (np.ascontiguousarray(x.reshape(slots, kv_heads, head_dim).transpose(1, 0, 2)) for x in (k, v))
-    kernel = native_attention.AttentionKernel(head_dim, heads, slots, threads)
+    kernel = native_attention.AttentionKernel(head_dim, heads, slots, threads, int8_dot=False)
     try:
         got = head_major_attention(kernel, np.ascontiguousarray(q, np.float32), k, v, lo, hi,
                                    native_attention.KV_FORMATS.index(cache))

@@ -152,14 +152,24 @@ KERNEL Stream stream(const Job *job, const Part *part, size_t element_bytes) {
                     job->head_stride * element_bytes, (size_t)n * row_bytes, 0, spans, lead > tile ? lead : tile, tile};
 }
 
-/* Prefetches the stream's virtual rows before `target`, from the first byte not yet prefetched. */
+/* Prefetches the stream's virtual rows before `target`, from the first byte not yet prefetched.
+ * Most calls prefetch a line or a few: the loops keep to a few instructions a line (the Stream
+ * fields read once), which at L2 cost 1.4 of a 384-slot call's 17 us with a general loop. */
 KERNEL void stream_to(Stream *st, int target) {
-    size_t end = (size_t)target * st->row_bytes;
-    end = end < 2 * st->half ? end : 2 * st->half;
-    for (; st->next < end; st->next += 64) {
-        const char *at = st->next < st->half ? st->keys + st->next : st->values + (st->next - st->half);
-        for (int k = 0; k < st->spans; k++) _mm_prefetch(at + (size_t)k * st->head_bytes, _MM_HINT_T1);
+    const size_t limit = 2 * st->half, wanted = (size_t)target * st->row_bytes, end = wanted < limit ? wanted : limit;
+    size_t next = st->next;
+    if (next >= end) return;
+    const size_t keys_end = end < st->half ? end : st->half;
+    if (st->spans == 1) {
+        for (; next < keys_end; next += 64) _mm_prefetch(st->keys + next, _MM_HINT_T1);
+        for (; next < end; next += 64) _mm_prefetch(st->values + (next - st->half), _MM_HINT_T1);
+    } else {
+        for (; next < end; next += 64) {
+            const char *at = next < st->half ? st->keys + next : st->values + (next - st->half);
+            for (int k = 0; k < st->spans; k++) _mm_prefetch(at + (size_t)k * st->head_bytes, _MM_HINT_T1);
+        }
     }
+    st->next = next;
 }
 
 /* The stream's advance over a tile of `rows` virtual rows from v, spread over `steps` loop steps
