@@ -1,6 +1,7 @@
 """litekv's decode-attention kernel: its arithmetic, and the LiteRT custom op that runs it."""
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 from pathlib import Path
@@ -461,3 +462,155 @@ def test_the_helper_thread_is_named_for_profilers():
     finally:
         kernel.release()
     assert names().count("litekv-attn") == before
+
+
+# ---- the AVX2 path (decode_attention_avx2.c), on x86-64 CPUs with AVX2 and no AVX-512 ----------
+
+def avx2_switch():
+    """litekv_decode_avx2_allow, or None where the library has no AVX2 path (not x86-64)."""
+    lib = native_attention._load()
+    if not hasattr(lib, "litekv_decode_avx2_allow"):
+        return None
+    lib.litekv_decode_avx2_allow.argtypes = [ctypes.c_int]
+    lib.litekv_decode_avx2_allow.restype = ctypes.c_int
+    return lib.litekv_decode_avx2_allow
+
+
+def avx2_runs() -> bool:
+    allow = avx2_switch() if native_attention.available() else None
+    return bool(allow and allow(1))
+
+
+avx2_path = pytest.mark.skipif(not avx2_runs(), reason="decode attention takes no AVX2 path on this CPU "
+                               "(no AVX2, or AVX-512 takes the portable path's wide vectors)")
+
+
+@pytest.fixture
+def portable_path():
+    """Decode attention on the portable path for the test's duration, where the AVX2 path would run."""
+    allow = avx2_switch()
+    assert allow(0) == 0
+    yield
+    allow(1)
+
+
+CACHES = ("float32", "float16", "int8", "int8_rows")
+
+
+def cache_case(cache, heads, kv_heads, head_dim, slots, live, window=None, seed=0):
+    """(query, keys, values, mask, key scales, value scales) in the kernel's form for `cache`, and
+    the keys and values numpy attends to (the codes dequantized, the halves widened)."""
+    q, k, v, m = case(heads, kv_heads, head_dim, slots, live, window, seed)
+    ks = vs = None
+    if cache == "float16":
+        k, v = k.astype(np.float16), v.astype(np.float16)
+        return q, k, v, m, ks, vs, k.astype(np.float64), v.astype(np.float64)
+    if cache == "int8":
+        rng = np.random.default_rng(seed + 1)
+        k, v = (rng.integers(-127, 128, (slots, kv_heads * head_dim), dtype=np.int8) for _ in range(2))
+        return q / 64, k, v, m, ks, vs, k.astype(np.float64), v.astype(np.float64)
+    if cache == "int8_rows":
+        rng = np.random.default_rng(seed + 2)
+        k, v = (x * rng.uniform(0.1, 10.0, (slots, 1)).astype(np.float32) for x in (k, v))
+        (k, ks), (v, vs) = quantize_rows(k, kv_heads, head_dim), quantize_rows(v, kv_heads, head_dim)
+        return (q / 8, k, v, m, ks, vs, dequantized(k, ks, kv_heads, head_dim),
+                dequantized(v, vs, kv_heads, head_dim))
+    return q, k, v, m, ks, vs, k.astype(np.float64), v.astype(np.float64)
+
+
+def within_float_rounding(got, expected, cache):
+    """The float path's tolerance: float32 arithmetic on the values numpy attends to (int8 codes are
+    up to 127, row-scaled ones up to 10x larger)."""
+    scale = max(1.0, float(np.abs(expected).max())) if cache.startswith("int8") else 1.0
+    np.testing.assert_allclose(got, expected, atol=2e-5 * scale, rtol=1e-4)
+
+
+AVX2_SHAPES = [
+    (9, 3, 64, 301, 301, None),    # SmolLM2's groups of 3: 4-slot blocks, the last of one slot
+    (4, 1, 256, 203, 190, 77),     # a group of 4 (2 + 2 heads), head_dim 256, a window
+    (8, 2, 128, 450, 433, None),   # chunks of 384 (int8) or 192 slots (float), none a multiple of 64
+    (10, 2, 64, 99, 98, 31),       # a group of 5 (3 + 2)
+    (6, 6, 64, 77, 77, None),      # no grouping: 8-slot blocks, the last of 5 slots
+    (2, 2, 128, 13, 13, None),     # fewer slots than a block
+    (4, 4, 32, 41, 37, None),      # head_dim 32: one 32-dimension pass
+    (7, 1, 96, 390, 389, 300),     # a group of 7 (3 + 2 + 2), head_dim 96, a window across chunks
+]
+
+
+@avx2_path
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim, slots, live, window", AVX2_SHAPES)
+@pytest.mark.parametrize("threads", [1, 2], ids=["one thread", "two threads"])
+def test_avx2_path_matches_numpy(cache, heads, kv_heads, head_dim, slots, live, window, threads):
+    """Every cache type, head dims 32-256 and groups of 1-7 query heads per KV head, spans that end
+    inside a block of slots, against float64 numpy on the values the cache holds."""
+    q, k, v, m, ks, vs, keys, values = cache_case(cache, heads, kv_heads, head_dim, slots, live, window)
+    got = native_attention.reference(q, k, v, m, kv_heads, head_dim, threads, int8_dot=False, key_scales=ks,
+                                     value_scales=vs)
+    within_float_rounding(got, numpy_attention(q, keys, values, m, kv_heads, head_dim), cache)
+
+
+@avx2_path
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_avx2_path_adds_soft_masks_and_skips_masked_holes(cache, head_dim):
+    """A bias on every slot and masked slots inside the span, in every block and across chunks."""
+    q, k, v, m, ks, vs, keys, values = cache_case(cache, 8, 2, head_dim, 900, 861, seed=5)
+    m[:861] = np.linspace(-4, 1, 861, dtype=np.float32)
+    m[5:800:7] = MASKED
+    got = native_attention.reference(q, k, v, m, 2, head_dim, 2, int8_dot=False, key_scales=ks, value_scales=vs)
+    within_float_rounding(got, numpy_attention(q, keys, values, m, 2, head_dim), cache)
+
+
+@avx2_path
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim, slots, live, window", AVX2_SHAPES[:5])
+def test_avx2_path_agrees_with_the_portable_path(portable_path, cache, heads, kv_heads, head_dim, slots, live,
+                                                 window):
+    """The two paths compute the same sums in another order: they agree to float32 rounding, 10x
+    inside numpy's tolerance for the codes (a path that dropped a slot or a scale would not)."""
+    q, k, v, m, ks, vs, _, _ = cache_case(cache, heads, kv_heads, head_dim, slots, live, window, seed=3)
+    portable = native_attention.reference(q, k, v, m, kv_heads, head_dim, 1, int8_dot=False, key_scales=ks,
+                                          value_scales=vs)
+    avx2_switch()(1)
+    vector = native_attention.reference(q, k, v, m, kv_heads, head_dim, 1, int8_dot=False, key_scales=ks,
+                                        value_scales=vs)
+    scale = float(np.abs(portable).max())
+    np.testing.assert_allclose(vector, portable, atol=1e-5 * scale, rtol=1e-5)
+
+
+def head_major_attention(kernel, query, keys, values, lo, hi, cache_type):
+    """litekv_attention_head_major (ONNX Runtime's ops' entry): keys and values [KVH, S, D]."""
+    lib = native_attention._load()
+    lib.litekv_attention_head_major.argtypes = [ctypes.POINTER(native_attention.AttentionConfig),
+                                                *[ctypes.c_void_p] * 4, *[ctypes.c_int] * 7, ctypes.c_void_p]
+    lib.litekv_attention_head_major.restype = ctypes.c_int
+    kv_heads, slots, head_dim = keys.shape
+    out = np.empty_like(query)
+    status = lib.litekv_attention_head_major(ctypes.byref(kernel.config), query.ctypes.data, keys.ctypes.data,
+                                             values.ctypes.data, out.ctypes.data, query.size // head_dim, kv_heads,
+                                             slots, head_dim, lo, hi, cache_type, None)
+    assert status == 0
+    return out
+
+
+@avx2_path
+@pytest.mark.parametrize("cache", ["float32", "int8"])  # the head-major forms ONNX Runtime's ops use
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("lo, hi", [(0, 0), (3, 202), (17, 1000), (0, 1023)])
+@pytest.mark.parametrize("threads", [1, 2], ids=["one thread", "two threads"])
+def test_avx2_path_reads_a_head_major_cache(cache, head_dim, lo, hi, threads):
+    """A [KVH][S][D] cache (Job.head_stride S * D): each KV head's rows are their own span, for the
+    scores, the weighted values and the prefetches."""
+    heads, kv_heads, slots = 9, 3, 1024
+    q, k, v, _, _, _, keys, values = cache_case(cache, heads, kv_heads, head_dim, slots, slots, seed=head_dim + lo)
+    k, v = (np.ascontiguousarray(x.reshape(slots, kv_heads, head_dim).transpose(1, 0, 2)) for x in (k, v))
+    kernel = native_attention.AttentionKernel(head_dim, heads, slots, threads, int8_dot=False)
+    try:
+        got = head_major_attention(kernel, np.ascontiguousarray(q, np.float32), k, v, lo, hi,
+                                   native_attention.KV_FORMATS.index(cache))
+    finally:
+        kernel.release()
+    m = np.full(slots, MASKED, np.float32)
+    m[lo:hi + 1] = 0.0
+    within_float_rounding(got, numpy_attention(q, keys, values, m, kv_heads, head_dim), cache)

@@ -240,4 +240,17 @@ void attend_part_int8_dot(const Job *job, Part *part);
 #define LITEKV_INT8_DOT 0
 #endif
 
+/* Decode attention with AVX2, FMA and F16C (decode_attention_avx2.c), on x86-64 CPUs that have
+ * them and no AVX-512 (where decode_attention.c's 16-float vectors are one register): every cache
+ * type, head_dim a multiple of 32 (a head's row is whole 8-float vectors, 32 dimensions a pass). */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define LITEKV_AVX2 1
+int litekv_decode_avx2(void); /* this CPU takes the AVX2 path (and tests allow it) */
+int litekv_decode_avx2_allow(int allow);
+void attend_part_avx2(const Job *job, Part *part);
+#else
+#define LITEKV_AVX2 0
+#endif
+INLINE int avx2_head_dim(int head_dim) { return head_dim > 0 && head_dim % 32 == 0; }
+
 #endif

@@ -326,6 +326,12 @@ VECTOR_CLONES static void attend_part(const Job *job, Part *part) {
         return;
     }
 #endif
+#if LITEKV_AVX2
+    if (avx2_head_dim(job->head_dim) && litekv_decode_avx2()) {
+        attend_part_avx2(job, part);
+        return;
+    }
+#endif
 #define SHAPE(type, head_dim) ((type) << 16 | (head_dim))
     switch (SHAPE(job->cache_type, job->head_dim)) {
     case SHAPE(CACHE_F32, 64): part_4(job, part); break;

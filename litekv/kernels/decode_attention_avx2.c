@@ -1,0 +1,407 @@
+/* One-token attention over a KV cache with AVX2, FMA and F16C: decode_attention.c's part (a chunk
+ * of slots: its scores, softmax numerators and weighted values) on x86-64 CPUs without AVX-512.
+ *
+ * decode_attention.c's vector-extension path is written for 32 zmm registers: compiled for AVX2
+ * its 16-float vectors are register pairs, and its 16 x 16 sums spill on every slot. Here each
+ * loop keeps at most 16 ymm registers live:
+ * - Scores: the dot products of 4 slots with the 3 query heads of a KV head (2 heads: 4 slots; 1:
+ *   8 slots) are 8-lane sums in registers. Each 8-element piece of a key row is loaded, and
+ *   widened from int8 codes or float16 halves, once for all of them; each head's sums end in a
+ *   horizontal-add tree.
+ * - Softmax numerators 8 at a time, with exp_nonpositive's polynomial.
+ * - Weighted values: 3 heads x 32 dimensions of sums (1 head: 64) stay in registers while the
+ *   part's value rows are read, each slot's weight broadcast from the scores.
+ * int8 codes and float16 halves are widened in these loops (vpmovsxbd + vcvtdq2ps, vcvtph2ps),
+ * with no pass through a buffer. With a scale per row (CACHE_I8_ROWS), a slot's dot product is
+ * multiplied by its key row's scale and its softmax numerator by its value row's.
+ * Passes take a tile of about 8 KB of rows at a time (each KV head's, each group of query heads'
+ * in turn), so a tile's rows come from memory once and from L1 for the other passes. The part's
+ * key rows, then its value rows, are prefetched as one stream, a tile ahead, spread evenly over the
+ * passes: the misses overlap the arithmetic, and no burst of prefetches stalls the core. With a
+ * float32 cache, 2,048 slots from memory on one thread: 190 us per call with a tile of 8 KB, 202
+ * with 12 KB, 210-340 with 64- and 128-slot tiles (the first pass over a tile outran the
+ * prefetches); the lead beyond a tile made no difference (4-32 KB).
+ */
+#include "attention_common.h"
+
+#if LITEKV_AVX2
+#include <immintrin.h>
+#include <stdatomic.h>
+
+#define TARGET __attribute__((target("avx2,fma,f16c")))
+#define KERNEL TARGET static inline __attribute__((always_inline))
+
+#ifndef AVX2_PREFETCH_BYTES
+#define AVX2_PREFETCH_BYTES 4096 /* how far the prefetches run ahead of the loads, at least a tile */
+#endif
+#ifndef TILE_BYTES
+#define TILE_BYTES 8192 /* the rows a pass takes before the next pass over them, in L1 for it */
+#endif
+
+static atomic_int cpu_has_avx2 = -1, avx2_allowed = 1;
+
+int litekv_decode_avx2(void) {
+    int has = atomic_load_explicit(&cpu_has_avx2, memory_order_relaxed);
+    if (has < 0) { /* once: every part asks */
+        __builtin_cpu_init();
+        has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+              !__builtin_cpu_supports("avx512f");
+        atomic_store_explicit(&cpu_has_avx2, has, memory_order_relaxed);
+    }
+    return has && atomic_load_explicit(&avx2_allowed, memory_order_relaxed);
+}
+
+/* For tests: allow 0 sends decode attention to the portable path where the AVX2 path would run,
+ * 1 (the default) back. Returns whether the AVX2 path runs now. Not for use while calls run. */
+int litekv_decode_avx2_allow(int allow) {
+    atomic_store_explicit(&avx2_allowed, allow != 0, memory_order_relaxed);
+    return litekv_decode_avx2();
+}
+
+/* Elements i..i+7 of a cache of `type` (CACHE_I8 for any int8 codes) as floats. `type` is a
+ * constant where this is inlined. */
+KERNEL __m256 load8(const void *base, size_t i, int type) {
+    if (type == CACHE_F32) return _mm256_loadu_ps((const float *)base + i);
+    if (type == CACHE_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)base + i))));
+}
+
+/* Lanes r and 4 + r: the sums of lanes 0-3 and of lanes 4-7 of a[r] (two levels of a
+ * transpose-and-add tree: shuffles and adds, 2 a cycle here, where vhaddps takes 2 cycles). */
+KERNEL __m256 halves4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    /* per 128-bit half: [a0_0 + a0_2, a1_0 + a1_2, a0_1 + a0_3, a1_1 + a1_3] */
+    const __m256 t0 = _mm256_add_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
+    const __m256 t1 = _mm256_add_ps(_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
+    return _mm256_add_ps(_mm256_shuffle_ps(t0, t1, 0x44), _mm256_shuffle_ps(t0, t1, 0xEE));
+}
+
+/* Lane r: the sum of the 8 lanes of a[r]. */
+KERNEL __m128 sum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 s = halves4x8(a0, a1, a2, a3);
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+KERNEL __m256 sum8x8(const __m256 *a) {
+    const __m256 s0 = halves4x8(a[0], a[1], a[2], a[3]), s1 = halves4x8(a[4], a[5], a[6], a[7]);
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
+/* The dot products of S key rows (row r from element at + r * row; rows r >= `rows` are the first
+ * again) with G query heads' rows (head g at q + g * d): lane r of sums[g] (of its low 4 for S 4).
+ * S x G sums stay in registers (12 for 4 x 3), each 8-element piece of a key row widened once for
+ * the G heads. */
+KERNEL void dots(const void *keys, int type, size_t at, size_t row, int rows, const float *q, int d, int G, int S,
+                 __m256 *sums) {
+    __m256 acc[3][8];
+    size_t k[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < S; r++) k[r] = at + (size_t)(r < rows ? r : 0) * row;
+#pragma GCC unroll 3
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 8
+        for (int r = 0; r < S; r++) acc[g][r] = _mm256_setzero_ps();
+    for (int c = 0; c < d; c += 8) {
+        /* the G query pieces, then one key piece at a time: 12 sums + 3 + 1 registers (loading the 4
+         * key pieces first, GCC spilled a sum every piece) */
+        __m256 qv[3];
+#pragma GCC unroll 3
+        for (int g = 0; g < G; g++) qv[g] = _mm256_loadu_ps(q + (size_t)g * d + c);
+#pragma GCC unroll 8
+        for (int r = 0; r < S; r++) {
+            const __m256 key = load8(keys, k[r] + c, type);
+#pragma GCC unroll 3
+            for (int g = 0; g < G; g++) acc[g][r] = _mm256_fmadd_ps(key, qv[g], acc[g][r]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int g = 0; g < G; g++)
+        sums[g] = S == 8 ? sum8x8(acc[g]) : _mm256_castps128_ps256(sum4x8(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+}
+
+/* Query heads scored (or weighed) together: 3 where it can (4 are 2 + 2: 12 sums in registers
+ * at most). Only a group of 1 leaves 1. */
+KERNEL int heads_at_once(int left) { return left == 4 || left == 2 ? 2 : left >= 3 ? 3 : 1; }
+
+/* Passes over a tile's rows for each KV head: its query heads, heads_at_once at a time. */
+KERNEL int head_passes(int group) {
+    int passes = 0;
+    for (int g0 = 0; g0 < group; g0 += heads_at_once(group - g0)) passes++;
+    return passes;
+}
+
+/* The part's rows as one stream for software prefetching: the key rows, then the value rows
+ * ("virtual" rows 0..2n-1). Each pass over a tile advances the stream by its share of the tile's
+ * rows, so the misses spread evenly over the arithmetic and the prefetches stay `lead` rows ahead
+ * of the loads. A row is one span of bytes ([S][KVH * D]: every KV head's), or KVH spans of D
+ * elements, head_bytes apart (head-major); the stream counts the bytes of one span. */
+typedef struct {
+    const char *keys, *values; /* the part's first row (KV head 0's) */
+    size_t row_bytes, head_bytes, half; /* half: the key rows' bytes in a span */
+    size_t next;                        /* the first byte of the stream not yet prefetched */
+    int spans, lead, tile;              /* tile: slots a pass takes at a time */
+} Stream;
+
+KERNEL Stream stream(const Job *job, const Part *part, size_t element_bytes) {
+    const int interleaved = job->head_stride == (size_t)job->head_dim, n = part->hi - part->lo + 1;
+    const size_t row_bytes = (size_t)job->row * element_bytes, first = (size_t)part->lo * row_bytes;
+    const int spans = interleaved ? 1 : job->kv_heads;
+    const size_t slot_bytes = row_bytes * (size_t)spans; /* all of a slot's keys (or values) */
+    int tile = (int)(TILE_BYTES / slot_bytes) / 8 * 8, lead = (int)(AVX2_PREFETCH_BYTES / slot_bytes);
+    tile = tile < 8 ? 8 : tile > 128 ? 128 : tile;
+    return (Stream){(const char *)job->keys + first, (const char *)job->values + first, row_bytes,
+                    job->head_stride * element_bytes, (size_t)n * row_bytes, 0, spans, lead > tile ? lead : tile, tile};
+}
+
+/* Prefetches the stream's virtual rows before `target`, from the first byte not yet prefetched.
+ * Most calls prefetch a line or a few: the loops keep to a few instructions a line (the Stream
+ * fields read once), which at L2 cost 1.4 of a 384-slot call's 17 us with a general loop. */
+KERNEL void stream_to(Stream *st, int target) {
+    const size_t limit = 2 * st->half, wanted = (size_t)target * st->row_bytes, end = wanted < limit ? wanted : limit;
+    size_t next = st->next;
+    if (next >= end) return;
+    const size_t keys_end = end < st->half ? end : st->half;
+    if (st->spans == 1) {
+        for (; next < keys_end; next += 64) _mm_prefetch(st->keys + next, _MM_HINT_T1);
+        for (; next < end; next += 64) _mm_prefetch(st->values + (next - st->half), _MM_HINT_T1);
+    } else {
+        for (; next < end; next += 64) {
+            const char *at = next < st->half ? st->keys + next : st->values + (next - st->half);
+            for (int k = 0; k < st->spans; k++) _mm_prefetch(at + (size_t)k * st->head_bytes, _MM_HINT_T1);
+        }
+    }
+    st->next = next;
+}
+
+/* The stream's advance over a tile of `rows` virtual rows from v, spread over `steps` loop steps
+ * (of all the passes over the tile): a target in 16.16 fixed point, and its increment per step. */
+typedef struct {
+    int target, step;
+} Share;
+
+KERNEL Share share(const Stream *st, int v, int rows, int steps) {
+    return (Share){(v + st->lead) << 16, (rows << 16) / steps};
+}
+
+KERNEL void share_step(Stream *st, Share *sh) {
+    sh->target += sh->step;
+    stream_to(st, sh->target >> 16);
+}
+
+/* The masked scores of slots t0..t0+rows-1 of the part (counted from part->lo) for query heads
+ * h0..h0+G-1 of KV head kv, S slots at a time. */
+KERNEL void score_tile(const Job *job, const Part *part, int type, int kv, int h0, int G, int S, int t0, int rows,
+                       Stream *st, Share *sh) {
+    const int d = job->head_dim;
+    const size_t row = (size_t)job->row, at = (size_t)part->lo * row + (size_t)kv * job->head_stride;
+    const size_t stride = (size_t)job->stride;
+    const float *q = job->query + (size_t)h0 * d, *mask = job->mask + part->lo;
+    const float *kscale = job->key_scales ? job->key_scales + (size_t)kv * job->scale_stride + part->lo : NULL;
+    float *sc = job->scores + (size_t)h0 * stride + part->first;
+    const int end = t0 + rows;
+    int i = t0;
+    for (; i + S <= end; i += S) {
+        share_step(st, sh);
+        __m256 sums[3];
+        dots(job->keys, type, at + (size_t)i * row, row, S, q, d, G, S, sums);
+        if (S == 4) {
+            const __m128 m = _mm_loadu_ps(mask + i), scale = kscale ? _mm_loadu_ps(kscale + i) : _mm_set1_ps(1.0f);
+#pragma GCC unroll 3
+            for (int g = 0; g < G; g++)
+                _mm_storeu_ps(sc + g * stride + i, _mm_fmadd_ps(_mm256_castps256_ps128(sums[g]), scale, m));
+        } else {
+            const __m256 m = _mm256_loadu_ps(mask + i), scale = kscale ? _mm256_loadu_ps(kscale + i) : _mm256_set1_ps(1.0f);
+#pragma GCC unroll 3
+            for (int g = 0; g < G; g++) _mm256_storeu_ps(sc + g * stride + i, _mm256_fmadd_ps(sums[g], scale, m));
+        }
+    }
+    if (i < end) { /* the part's last rows: fewer than S */
+        share_step(st, sh);
+        __m256 sums[3];
+        float out[8];
+        dots(job->keys, type, at + (size_t)i * row, row, end - i, q, d, G, S, sums);
+        for (int g = 0; g < G; g++) {
+            _mm256_storeu_ps(out, sums[g]);
+            for (int r = 0; i + r < end; r++)
+                sc[g * stride + i + r] = out[r] * (kscale ? kscale[i + r] : 1.0f) + mask[i + r];
+        }
+    }
+}
+
+/* score_tile for G query heads, in a function of its own (per cache type, as `type` is constant
+ * where it is called): inlined into the loops over tiles and heads, GCC ran out of general
+ * registers for the pointers and kept them on the stack. */
+TARGET static __attribute__((noinline)) void score_pass(const Job *job, const Part *part, int type, int kv, int h0,
+                                                        int G, int t0, int rows, Stream *st, Share *sh) {
+    if (G == 3)
+        score_tile(job, part, type, kv, h0, 3, 4, t0, rows, st, sh);
+    else if (G == 2)
+        score_tile(job, part, type, kv, h0, 2, 4, t0, rows, st, sh);
+    else
+        score_tile(job, part, type, kv, h0, 1, 8, t0, rows, st, sh);
+}
+
+/* The masked scores of slots part->lo..hi for every head, into job->scores, a tile of slots
+ * at a time: per KV head, its query heads 3 (or 2) at a time over 4 slots, or one over 8 (a
+ * group of one). */
+KERNEL void scores(const Job *job, const Part *part, int type, Stream *st) {
+    const int group = job->heads / job->kv_heads, n = part->hi - part->lo + 1, S = group == 1 ? 8 : 4;
+    const int passes = job->kv_heads * head_passes(group);
+    stream_to(st, st->lead); /* the first rows: the part's loads wait for these */
+    for (int t0 = 0; t0 < n; t0 += st->tile) {
+        const int rows = n - t0 < st->tile ? n - t0 : st->tile, steps = (rows + S - 1) / S;
+        Share sh = share(st, t0, rows, passes * steps);
+        for (int kv = 0; kv < job->kv_heads; kv++)
+            for (int g0 = 0; g0 < group;) {
+                const int G = heads_at_once(group - g0), h0 = kv * group + g0;
+                score_pass(job, part, type, kv, h0, G, t0, rows, st, &sh);
+                g0 += G;
+            }
+    }
+}
+
+/* exp_nonpositive in 8 lanes. */
+KERNEL __m256 exp8(__m256 x) {
+    const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(1.44269504f));
+    const __m256 n = _mm256_floor_ps(_mm256_add_ps(t, _mm256_set1_ps(0.5f))), f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.5403530e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ), e); /* 0 below -87 */
+}
+
+KERNEL float horizontal_sum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+KERNEL float horizontal_max(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* A head's n masked scores replaced by e^(score - max), times the value rows' scales if given
+ * (scale[i]: slot i's); returns the sum of the e^ (unscaled), the max in *best. */
+KERNEL float numerators(float *sc, const float *scale, int n, float *best) {
+    int i = 0;
+    float top = sc[0];
+    if (n >= 8) {
+        __m256 m = _mm256_loadu_ps(sc);
+        for (i = 8; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(sc + i));
+        top = horizontal_max(m);
+    }
+    for (; i < n; i++) top = sc[i] > top ? sc[i] : top;
+    __m256 total = _mm256_setzero_ps();
+    const __m256 top8 = _mm256_set1_ps(top);
+    for (i = 0; i + 8 <= n; i += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + i), top8));
+        total = _mm256_add_ps(total, e);
+        _mm256_storeu_ps(sc + i, scale ? _mm256_mul_ps(e, _mm256_loadu_ps(scale + i)) : e);
+    }
+    float sum = horizontal_sum(total);
+    for (; i < n; i++) {
+        const float e = exp_nonpositive(sc[i] - top);
+        sum += e;
+        sc[i] = scale ? e * scale[i] : e;
+    }
+    *best = top;
+    return sum;
+}
+
+/* part->acc for query heads h0..h0+G-1 (of KV head kv), dimensions c0..c0+8*CB-1, plus slots
+ * t0..t0+rows-1's value rows weighed by the heads' numerators (job->scores); the tile from slot 0
+ * starts the sums. G x CB sums stay in registers, the G weights of a slot broadcast once. */
+KERNEL void weigh_tile(const Job *job, Part *part, int type, int kv, int h0, int G, int CB, int c0, int t0, int rows,
+                       Stream *st, Share *sh) {
+    const int d = job->head_dim;
+    const size_t element_bytes = cache_element_bytes(type), row_bytes = (size_t)job->row * element_bytes;
+    const char *v = (const char *)job->values +
+                    ((size_t)(part->lo + t0) * job->row + (size_t)kv * job->head_stride + (size_t)c0) * element_bytes;
+    const float *w = job->scores + (size_t)h0 * job->stride + part->first + t0;
+    float *out = part->acc + (size_t)h0 * d + c0;
+    __m256 acc[3][8];
+#pragma GCC unroll 3
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 8
+        for (int c = 0; c < CB; c++) acc[g][c] = t0 ? _mm256_loadu_ps(out + (size_t)g * d + 8 * c) : _mm256_setzero_ps();
+    for (int i0 = 0; i0 < rows; i0 += 4) { /* the stream advances every 4 slots: a step costs a few instructions */
+        share_step(st, sh);
+        const int end = rows - i0 < 4 ? rows : i0 + 4;
+        for (int i = i0; i < end; i++, v += row_bytes) {
+            __m256 weight[3];
+#pragma GCC unroll 3
+            for (int g = 0; g < G; g++) weight[g] = _mm256_broadcast_ss(w + (size_t)g * job->stride + i);
+#pragma GCC unroll 8
+            for (int c = 0; c < CB; c++) {
+                const __m256 value = load8(v, 8 * c, type);
+#pragma GCC unroll 3
+                for (int g = 0; g < G; g++) acc[g][c] = _mm256_fmadd_ps(weight[g], value, acc[g][c]);
+            }
+        }
+    }
+#pragma GCC unroll 3
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 8
+        for (int c = 0; c < CB; c++) _mm256_storeu_ps(out + (size_t)g * d + 8 * c, acc[g][c]);
+}
+
+/* weigh_tile for G query heads over `width` dimensions, in a function of its own (score_pass). */
+TARGET static __attribute__((noinline)) void weigh_pass(const Job *job, Part *part, int type, int kv, int h0, int G,
+                                                        int width, int c0, int t0, int rows, Stream *st, Share *sh) {
+    if (G == 3)
+        weigh_tile(job, part, type, kv, h0, 3, 4, c0, t0, rows, st, sh);
+    else if (G == 2)
+        weigh_tile(job, part, type, kv, h0, 2, 4, c0, t0, rows, st, sh);
+    else if (width == 64)
+        weigh_tile(job, part, type, kv, h0, 1, 8, c0, t0, rows, st, sh);
+    else
+        weigh_tile(job, part, type, kv, h0, 1, 4, c0, t0, rows, st, sh);
+}
+
+/* Every head's weighted values into part->acc, a tile of slots at a time: per KV head, its
+ * query heads 3 (or 2, or 1) at a time, 32 dimensions at a time (64 for one head, where head_dim
+ * allows). */
+KERNEL void weighted_values(const Job *job, Part *part, int type, Stream *st) {
+    const int d = job->head_dim, group = job->heads / job->kv_heads, n = part->hi - part->lo + 1;
+    const int width = group == 1 && d % 64 == 0 ? 64 : 32, passes = job->kv_heads * head_passes(group) * (d / width);
+    for (int t0 = 0; t0 < n; t0 += st->tile) {
+        const int rows = n - t0 < st->tile ? n - t0 : st->tile;
+        Share sh = share(st, n + t0, rows, passes * ((rows + 3) / 4));
+        for (int kv = 0; kv < job->kv_heads; kv++)
+            for (int g0 = 0; g0 < group;) {
+                const int G = heads_at_once(group - g0), h0 = kv * group + g0;
+                for (int c0 = 0; c0 < d; c0 += width)
+                    weigh_pass(job, part, type, kv, h0, G, width, c0, t0, rows, st, &sh);
+                g0 += G;
+            }
+    }
+}
+
+KERNEL void attend_typed(const Job *job, Part *part, int type) {
+    const int n = part->hi - part->lo + 1, group = job->heads / job->kv_heads;
+    Stream st = stream(job, part, cache_element_bytes(type));
+    scores(job, part, type, &st);
+    for (int h = 0; h < job->heads; h++) {
+        const float *scale = job->value_scales ? job->value_scales + (size_t)(h / group) * job->scale_stride + part->lo
+                                               : NULL;
+        part->sum[h] = numerators(job->scores + (size_t)h * job->stride + part->first, scale, n, &part->max[h]);
+    }
+    weighted_values(job, part, type, &st);
+}
+
+TARGET void attend_part_avx2(const Job *job, Part *part) {
+    switch (job->cache_type) {
+    case CACHE_F32: attend_typed(job, part, CACHE_F32); break;
+    case CACHE_F16: attend_typed(job, part, CACHE_F16); break;
+    default: attend_typed(job, part, CACHE_I8); break; /* CACHE_I8 and CACHE_I8_ROWS: int8 codes */
+    }
+}
+
+#endif
