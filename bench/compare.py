@@ -111,13 +111,29 @@ def exported_peer(label: str, venv: str, runner: str, setup: str, make: str,
             for precision, cls, model in variants]
 
 
-def run_once(system: System, threads: int, with_passage: bool) -> dict:
-    argv = [str(system.python), *system.argv, "--threads", str(threads), "--repeats", "1"]
-    if with_passage:
-        argv += ["--passage", str(PASSAGE)]
+def run_process(system: System, extra: list[str]) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
     env["PYTHONPATH"] = os.pathsep.join([str(PEERS), str(ROOT / "bench"), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
+    return subprocess.run([str(system.python), *system.argv, *extra], cwd=ROOT, env=env, capture_output=True, text=True)
+
+
+def prepare_bundles(chosen: list[System]) -> dict[str, str]:
+    """Converts every litekv bundle the rounds need before any is measured: a conversion in a
+    measured process put its ~1 GB peak into that system's peak RSS and its time beside the
+    round's. Returns the systems whose conversion failed, with the error."""
+    failed = {}
+    for s in chosen:
+        if s.litekv:
+            proc = run_process(s, ["--convert-only"])
+            if proc.returncode != 0:
+                failed[s.name] = "\n".join(proc.stderr.strip().splitlines()[-15:])
+                print(f"{s.name}: conversion failed:\n{failed[s.name]}", file=sys.stderr)
+    return failed
+
+
+def run_once(system: System, threads: int, with_passage: bool) -> dict:
+    extra = ["--threads", str(threads), "--repeats", "1"] + (["--passage", str(PASSAGE)] if with_passage else [])
+    proc = run_process(system, extra)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
@@ -260,8 +276,8 @@ def main() -> None:
     for s in skipped:
         print(f"skipping {s.name}: not set up ({s.setup})", file=sys.stderr)
 
+    failed = prepare_bundles(ran)
     runs: dict[str, list[dict]] = {s.name: [] for s in ran}
-    failed: dict[str, str] = {}
     for r in range(args.rounds):
         order = ran[r % len(ran):] + ran[:r % len(ran)]  # rotate, so no system always runs first
         for s in order:

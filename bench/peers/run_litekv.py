@@ -49,11 +49,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--passage", type=Path, default=None, help="passage.json: also report passage_argmax")
     parser.add_argument("--save", default=None, help="also write results/NAME.json")
+    parser.add_argument("--convert-only", action="store_true",
+                        help="convert the bundle if the cache lacks it, then exit (measured runs then open it only)")
     add_serve_flag(parser)
     args = parser.parse_args()
 
     bundle = smollm2_bundle(args.backend, args.quantize, kv_cache=args.kv_cache, lm_head=args.lm_head,
                             decode_linears=args.decode_linears)
+    if args.convert_only:
+        return
     load_times, engine = [], None
     for _ in range(args.repeats):
         engine = None
