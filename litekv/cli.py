@@ -144,6 +144,11 @@ def _bench(args: argparse.Namespace) -> int:
     decode = time.perf_counter() - start
     print(f"{engine.backend}: prefill {args.prompt_tokens / prefill:.0f} tok/s ({args.prompt_tokens} tokens), "
           f"decode {steps / decode:.1f} tok/s ({steps} tokens)")
+    from litekv import native_attention
+
+    if native_attention.available():
+        print("kernels: " + ", ".join(f"{family.replace('_', ' ')} {path}"
+                                      for family, path in native_attention.cpu_paths().items()))
     return 0
 
 

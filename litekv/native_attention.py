@@ -212,6 +212,26 @@ def int8_dot_available() -> bool:
     return bool(_load().litekv_attention_int8_dot())
 
 
+_LINEAR_PATHS = {0: "portable", 1: "avx512-vnni", 2: "avx2"}
+
+
+def cpu_paths() -> dict[str, str]:
+    """Which code each kernel family runs on this CPU: "avx512-vnni", "avx2", "portable" or, for
+    attention, "vector" (GCC vector extensions compiled per ISA: AVX-512 where the CPU has it;
+    decode attention's "avx512-vnni" is that too, with int8 caches multiplied as integers).
+    Speed differs by several times between them, so benchmarks and bug reports should name them."""
+    lib = _load()
+    if lib.litekv_attention_int8_dot():
+        decode = "avx512-vnni"
+    elif hasattr(lib, "litekv_decode_avx2") and lib.litekv_decode_avx2():
+        decode = "avx2"
+    else:
+        decode = "vector"
+    prefill = "avx2" if hasattr(lib, "litekv_prefill_avx2") and lib.litekv_prefill_avx2(-1) else "vector"
+    linears = _LINEAR_PATHS.get(lib.linear_cpu_vector(), "portable") if hasattr(lib, "linear_cpu_vector") else "portable"
+    return {"linears": linears, "decode_attention": decode, "prefill_attention": prefill}
+
+
 class AttentionKernel:
     """One registration of the kernel for one compiled model: its config, scratch and helper thread.
 

@@ -614,3 +614,22 @@ def test_avx2_path_reads_a_head_major_cache(cache, head_dim, lo, hi, threads):
     m = np.full(slots, MASKED, np.float32)
     m[lo:hi + 1] = 0.0
     within_float_rounding(got, numpy_attention(q, keys, values, m, kv_heads, head_dim), cache)
+
+
+def cpu_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text()
+    return set(next(line for line in text.splitlines() if line.startswith("flags")).split(":", 1)[1].split())
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists() or os.uname().machine != "x86_64",
+                    reason="reads x86-64 CPU flags from /proc/cpuinfo")
+def test_cpu_paths_follow_the_cpus_instruction_sets():
+    """Each kernel family takes the fastest path the CPU has: AVX-512 VNNI, else AVX2 + FMA + F16C,
+    else the portable code (a CPU that lost its fast path ran 10-20x slower before it had one)."""
+    flags, paths = cpu_flags(), native_attention.cpu_paths()
+    vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= flags
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    assert paths["linears"] == ("avx512-vnni" if vnni else "avx2" if avx2 else "portable")
+    assert paths["decode_attention"] == ("avx512-vnni" if vnni else "avx2" if avx2 and "avx512f" not in flags
+                                         else "vector")
+    assert paths["prefill_attention"] == ("avx2" if avx2 and "avx512f" not in flags else "vector")
