@@ -25,10 +25,11 @@
 #include "attention_common.h"
 
 #if LITEKV_AVX2
-#include <immintrin.h>
 #include <stdatomic.h>
 
-#define TARGET __attribute__((target("avx2,fma,f16c")))
+#include "avx2_common.h"
+
+#define TARGET AVX2_TARGET
 #define KERNEL TARGET static inline __attribute__((always_inline))
 
 #ifndef AVX2_PREFETCH_BYTES
@@ -43,9 +44,7 @@ static atomic_int cpu_has_avx2 = -1, avx2_allowed = 1;
 int litekv_decode_avx2(void) {
     int has = atomic_load_explicit(&cpu_has_avx2, memory_order_relaxed);
     if (has < 0) { /* once: every part asks */
-        __builtin_cpu_init();
-        has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
-              !__builtin_cpu_supports("avx512f");
+        has = cpu_has_avx2_fma_f16c() && !__builtin_cpu_supports("avx512f");
         atomic_store_explicit(&cpu_has_avx2, has, memory_order_relaxed);
     }
     return has && atomic_load_explicit(&avx2_allowed, memory_order_relaxed);
@@ -259,34 +258,6 @@ KERNEL void scores(const Job *job, const Part *part, int type, Stream *st) {
     }
 }
 
-/* exp_nonpositive in 8 lanes. */
-KERNEL __m256 exp8(__m256 x) {
-    const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(1.44269504f));
-    const __m256 n = _mm256_floor_ps(_mm256_add_ps(t, _mm256_set1_ps(0.5f))), f = _mm256_sub_ps(t, n);
-    __m256 p = _mm256_set1_ps(1.5403530e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-    return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ), e); /* 0 below -87 */
-}
-
-KERNEL float horizontal_sum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-KERNEL float horizontal_max(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
-
 /* A head's n masked scores replaced by e^(score - max), times the value rows' scales if given
  * (scale[i]: slot i's); returns the sum of the e^ (unscaled), the max in *best. */
 KERNEL float numerators(float *sc, const float *scale, int n, float *best) {
@@ -301,7 +272,7 @@ KERNEL float numerators(float *sc, const float *scale, int n, float *best) {
     __m256 total = _mm256_setzero_ps();
     const __m256 top8 = _mm256_set1_ps(top);
     for (i = 0; i + 8 <= n; i += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + i), top8));
+        const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(sc + i), top8));
         total = _mm256_add_ps(total, e);
         _mm256_storeu_ps(sc + i, scale ? _mm256_mul_ps(e, _mm256_loadu_ps(scale + i)) : e);
     }

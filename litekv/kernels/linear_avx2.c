@@ -24,17 +24,17 @@
 #include "linear.h"
 
 #if LITEKV_LINEAR_AVX2
-#include <immintrin.h>
 #include <string.h>
 
-#define TARGET __attribute__((target("avx2,fma,f16c")))
+#include "avx2_common.h"
+
+#define TARGET AVX2_TARGET
 #ifndef LINEAR_AVX2_PREFETCH
 #define LINEAR_AVX2_PREFETCH 4096 /* bytes ahead: the hardware prefetcher stops at 4 KB pages */
 #endif
 
 int linear_cpu_has_avx2(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    return cpu_has_avx2_fma_f16c();
 }
 
 /* ---- the prepared activations ------------------------------------------------------------- */
@@ -66,18 +66,6 @@ static Act act(const LinearJob *job, int t) {
     const float *f = (const float *)(const void *)(p + job->in);
     const size_t groups = padded_blocks(job->in);
     return (Act){p, p + job->in / 2, f, f + groups, f + 2 * groups};
-}
-
-TARGET static inline float sum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-TARGET static inline float max8(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
 TARGET static inline int sum8i(__m256i v) {
@@ -115,7 +103,7 @@ TARGET static inline Block quantize_block(const float *x) {
         largest = _mm256_max_ps(largest, _mm256_and_ps(v[i], magnitude));
         total = _mm256_add_ps(total, v[i]);
     }
-    const float m = max8(largest);
+    const float m = horizontal_max(largest);
     const __m256 inverse = _mm256_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
     __m256i c[4], codes = _mm256_setzero_si256();
     for (int i = 0; i < 4; i++) {
@@ -125,7 +113,7 @@ TARGET static inline Block quantize_block(const float *x) {
     /* packs works within 128-bit lanes: dword k of the packed bytes holds c[k % 4][4 (k / 4) ..] */
     const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
     return (Block){_mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)), m / 127.0f,
-                   sum8(total), sum8i(codes)};
+                   horizontal_sum(total), sum8i(codes)};
 }
 
 TARGET static void prepare_int4(const LinearJob *job, const float *x, int8_t *even, int8_t *odd, float *scales) {
@@ -282,7 +270,7 @@ TARGET INLINE_ALWAYS void int4_rows_of(const LinearJob *job, int first, int last
             for (int i = 0; i < 8; i++) v[i] = int4_row(job, &a, o + i, flip);
             _mm256_storeu_ps(y + o, sums8(v));
         }
-        for (; o < last; o++) y[o] = sum8(int4_row(job, &a, o, flip));
+        for (; o < last; o++) y[o] = horizontal_sum(int4_row(job, &a, o, flip));
     }
 }
 
@@ -330,7 +318,7 @@ TARGET static void int8_rows(const LinearJob *job, int first, int last) {
             for (int i = 0; i < 8; i++) v[i] = int8_row(job, &a, o + i);
             _mm256_storeu_ps(y + o, _mm256_mul_ps(sums8(v), _mm256_loadu_ps(job->row_scales + o)));
         }
-        for (; o < last; o++) y[o] = job->row_scales[o] * sum8(int8_row(job, &a, o));
+        for (; o < last; o++) y[o] = job->row_scales[o] * horizontal_sum(int8_row(job, &a, o));
     }
 }
 
@@ -359,7 +347,7 @@ TARGET static void f32_rows(const LinearJob *job, int first, int last) {
                 acc[0] = _mm256_fmadd_ps(_mm256_maskload_ps(w + k, m), _mm256_maskload_ps(x + k, m), acc[0]);
             }
             job->y[(size_t)t * job->out + o] =
-                sum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+                horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
         }
     }
 }

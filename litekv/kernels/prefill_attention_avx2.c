@@ -23,10 +23,10 @@
 #include "prefill_attention.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
+#include "avx2_common.h"
 
-#define TARGET __attribute__((target("avx2,fma,f16c")))
-#define AVX2_INLINE static inline __attribute__((always_inline)) TARGET
+#define TARGET AVX2_TARGET
+#define AVX2_INLINE AVX2_HELPER
 
 #define KEY_BLOCK 16   /* slots per key block: two vectors of scores */
 #define VALUE_BLOCK 32 /* slots per value block: the key block's columns and widened rows, reused */
@@ -36,9 +36,7 @@
 static int avx2_state;
 
 static int cpu_wants_avx2(void) {
-    __builtin_cpu_init();
-    return !__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+    return !__builtin_cpu_supports("avx512f") && cpu_has_avx2_fma_f16c();
 }
 
 /* Turns the AVX2 path on (1, only where the CPU wants it) or off (0), or leaves it (-1); returns
@@ -211,36 +209,6 @@ TARGET static void weigh_rows(float *acc, int d, const float *w, size_t stride, 
     }
 }
 
-/* exp_nonpositive (attention_common.h) on 8 lanes: the same clamp, rounding and polynomial. */
-AVX2_INLINE __m256 exp8(__m256 x) {
-    const __m256 floor = _mm256_set1_ps(-87.0f);
-    const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, floor), _mm256_set1_ps(1.44269504f));
-    const __m256 n = _mm256_round_ps(_mm256_add_ps(t, _mm256_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_sub_ps(t, n);
-    __m256 p = _mm256_set1_ps(1.5403530e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-    return _mm256_andnot_ps(_mm256_cmp_ps(x, floor, _CMP_LT_OQ), e);
-}
-
-AVX2_INLINE float horizontal_sum(__m256 x) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-AVX2_INLINE float horizontal_max(__m256 x) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
-
 /* The largest of s[a..b], once m[a..b] is added to them if given: one pass over the scores. A NaN
  * score is passed over, as the portable path's comparisons do. */
 AVX2_INLINE float add_and_max(float *restrict s, const float *restrict m, int a, int b) {
@@ -287,7 +255,7 @@ AVX2_INLINE float row_numerators(const PrefillJob *job, const Tile *t, int r, fl
     __m256 sum = _mm256_setzero_ps();
     int i = a;
     for (; i + 8 <= b + 1; i += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), shift));
+        const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + i), shift));
         _mm256_storeu_ps(s + i, e);
         sum = _mm256_add_ps(sum, e);
     }
