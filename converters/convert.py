@@ -78,6 +78,18 @@ def default_decode_linears(backend: str, quantize: str, attention: str = "kernel
     return "kernel" if quantize in ("int4", "int8") and attention == "kernel" else "graph"
 
 
+def default_prefill_linears(backend: str, quantize: str, decode_linears: str, lora: bool = False) -> str:
+    """Where a LiteRT bundle's prefill chunks run their int4 linears without --prefill-linears.
+
+    "kernel" wherever the decode steps' linears are litekv's and the weights int4: on AVX2 XNNPACK's
+    block-wise int4 GEMM ran a 256-token prefill at 420 tok/s, half its int8 rate, and litekv's tiles
+    compute the same projections at about twice XNNPACK's rate (bench/PERFORMANCE.md, twentieth
+    round). The kernel library is then needed anyway. Not with LoRA inputs, as for the steps."""
+    if lora or backend != "litert":
+        return "graph"
+    return "kernel" if quantize == "int4" and decode_linears == "kernel" else "graph"
+
+
 @dataclass(frozen=True)
 class ConvertOptions:
     backend: str = "litert"
@@ -104,6 +116,9 @@ class ConvertOptions:
     # kernel; ONNX: int4 only, in a decode graph of its own) or "graph" (XNNPACK's FULLY_CONNECTED, ONNX
     # Runtime's MatMulNBits). None: default_decode_linears.
     decode_linears: str | None = None
+    # LiteRT prefill chunks' int4 linears: "kernel" (litekv's custom op, tiles of 8 rows x 4 tokens) or
+    # "graph" (XNNPACK's block-wise int4 FULLY_CONNECTED). None: default_prefill_linears.
+    prefill_linears: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -171,6 +186,13 @@ class ConvertOptions:
                 if self.lora_rank is not None:
                     raise ConfigError("--decode-linears kernel on ONNX has no LoRA graph; drop --decode-linears "
                                       "or --lora-rank.")
+        if self.prefill_linears is not None:
+            if self.prefill_linears not in ATTENTION_KINDS:
+                raise ConfigError(f"unknown prefill linears {self.prefill_linears!r}; choose one of "
+                                  f"{', '.join(ATTENTION_KINDS)}.")
+            if self.prefill_linears == "kernel" and self.backend != "litert":
+                raise ConfigError("--prefill-linears kernel is for LiteRT bundles (ONNX prefill runs MatMulNBits); "
+                                  "drop --prefill-linears or use --backend litert.")
         QuantPlan.named(self.quantize, self.lm_head, self.embedding)  # validates the head/table choices
 
     @property
@@ -230,6 +252,15 @@ class ConvertOptions:
             return default_decode_linears(self.backend, self.quantize, attention, self.lora_rank is not None)
         quantized = {self.plan.weights, self.plan.lm_head} & {"int4", "int8"}
         return "kernel" if quantized and self.decode_linears == "kernel" else "graph"
+
+    @property
+    def prefill_linears_kind(self) -> str:
+        """The prefill chunks' int4 linears: "kernel" only on LiteRT where some projection is int4."""
+        if self.backend != "litert" or self.plan.weights != "int4":
+            return "graph"
+        if self.prefill_linears is None:
+            return default_prefill_linears(self.backend, self.quantize, self.linears_kind, self.lora_rank is not None)
+        return self.prefill_linears
 
     @property
     def prefill_attention_kind(self) -> str:
@@ -397,7 +428,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
                              decode_attention=options.attention_kind,
                              prefill_attention=options.prefill_attention_kind, kv_scales=kv_scales,
                              kv_dtype=options.kv_dtype, kv_row_scales=options.kv_row_scales,
-                             decode_linears=options.linears_kind)
+                             decode_linears=options.linears_kind, prefill_linears=options.prefill_linears_kind)
         writer.write(staging / "model.tflite")
         bar.stage("writing model.tflite")(1, 1, f"{writer.data_bytes / 1e6:.0f} MB of weights")
         infos = tuple(SignatureInfo(s.name, "sampler" if s.sampler else ("decode" if s.tokens == 1 and s.logits
@@ -459,7 +490,8 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         lora_groups={name: [list(parts), list(targets)] for name, (parts, targets) in groups.items()},
         lora_layout=lora_layout, decode_attention=options.attention_kind,
         prefill_attention=options.prefill_attention_kind,
-        decode_linears=options.linears_kind, decode_model_file=decode_model_file,
+        decode_linears=options.linears_kind, prefill_linears=options.prefill_linears_kind,
+        decode_model_file=decode_model_file,
     )
 
 
@@ -502,10 +534,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "and capacity; ONNX GroupQueryAttention)")
     parser.add_argument("--decode-linears", choices=ATTENTION_KINDS,
                         help="one-token steps' quantized linears: kernel (litekv's custom ops, on the threads of its "
-                        "attention kernel, with activations rounded per 32; prefill keeps the runtime's matmuls and "
-                        "the weights are stored once; default on LiteRT with int4 or int8 weights and the attention "
+                        "attention kernel, with activations rounded per 32; prefill keeps the runtime's matmuls (int4 "
+                        "ones: see --prefill-linears) and the weights are stored once; default on LiteRT with int4 or int8 weights and the attention "
                         "kernel, on ONNX with int4 weights, in a decode graph of its own; never with --lora-rank) or "
                         "graph (XNNPACK's FULLY_CONNECTED, ONNX Runtime's MatMulNBits)")
+    parser.add_argument("--prefill-linears", choices=ATTENTION_KINDS,
+                        help="LiteRT prefill chunks' int4 linears: kernel (litekv's custom op, over the weights the "
+                        "steps read; default where the steps' linears are litekv's and the weights int4) or graph "
+                        "(XNNPACK's block-wise int4 FULLY_CONNECTED)")
 
 
 def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
@@ -525,6 +561,7 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
         decode_buckets=_ints(args.decode_buckets, "--decode-buckets"), lm_head=args.lm_head, embedding=args.embedding,
         sampler=not args.no_sampler, kv_cache=args.kv_cache, decode_attention=args.decode_attention,
         prefill_attention=args.prefill_attention, decode_linears=args.decode_linears,
+        prefill_linears=args.prefill_linears,
     )
 
 

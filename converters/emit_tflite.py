@@ -11,7 +11,8 @@ sampler inputs and returns `next_token` int32 [1]. By default attention is a cus
 litekv.native_attention: `litekv.decode_attention` for a decode, `litekv.prefill_attention` for a
 prefill chunk; decode_attention / prefill_attention="graph" keep builtin ops only. With
 decode_linears="kernel" a one-token step's int4 and int8 projections are custom ops too
-(`litekv.linear_int4` / `litekv.linear_int8`) that read the buffers prefill's FULLY_CONNECTED ops use.
+(`litekv.linear_int4` / `litekv.linear_int8`) that read the buffers prefill's FULLY_CONNECTED ops use;
+with prefill_linears="kernel" a prefill chunk's int4 projections are `litekv.linear_int4` as well.
 With `kv_scales` (converters.kv_calibration) the cache tensors are int8 codes of K/V / scale, one
 static scale per (layer, KV head, channel): new rows are quantized in the graph, the kernels' int8
 forms read the codes, and builtin-op attention dequantizes the cache it reads. With
@@ -109,11 +110,15 @@ class TFLiteOps(GraphOps):
     def __init__(self, cfg: ModelConfig, store: TFLiteWeights, sg: SubgraphBuilder, sig: Signature,
                  lora: LoraSpec | None, tables, decode_attention: str = "kernel",
                  kv_scales: tuple[np.ndarray, np.ndarray] | None = None, prefill_attention: str = "kernel",
-                 kv_dtype: str = "float32", kv_row_scales: bool = False, decode_linears: str = "graph"):
+                 kv_dtype: str = "float32", kv_row_scales: bool = False, decode_linears: str = "graph",
+                 prefill_linears: str = "graph"):
         super().__init__(cfg, store.weights, store.plan, sig, lora, tables, store.quant_cache)
         # int4 / int8 projections of one row in litekv's linear kernels: a decode step's, and prefill's
         # LM head (its last row), so no FULLY_CONNECTED keeps the head for XNNPACK to pack a copy of
         self.decode_linears = decode_linears
+        # int4 projections of prefill chunks in litekv's kernel: XNNPACK's block-wise int4 GEMM ran at
+        # half its int8 rate on AVX2 (bench/PERFORMANCE.md, twentieth round)
+        self.prefill_linears = prefill_linears
         self.kernel_linears = decode_linears == "kernel" and sig.tokens == 1
         self.store = store
         self.decode_attention = decode_attention  # "kernel": litekv's custom op; "graph": builtin ops
@@ -233,7 +238,9 @@ class TFLiteOps(GraphOps):
 
     def project(self, x: Sym, name: str, parts: Sequence[str]) -> Sym:
         fmt = self.plan.format_for(name)
-        if self.decode_linears != "kernel" or x.shape[-2] != 1 or fmt not in ("int4", "int8"):
+        one_row = x.shape[-2] == 1
+        if not (one_row and self.decode_linears == "kernel" and fmt in ("int4", "int8")
+                or not one_row and self.prefill_linears == "kernel" and fmt == "int4"):
             return super().project(x, name, parts)
         weight = self.store.matmul(name, parts, self)  # the constant prefill's FULLY_CONNECTED reads
         out_dim, in_dim = weight.shape
@@ -473,7 +480,8 @@ def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: Quant
                 progress: Callable[[str], None] | None = None, decode_attention: str = "kernel",
                 kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
                 prefill_attention: str = "kernel", kv_dtype: str = "float32",
-                kv_row_scales: bool = False, decode_linears: str = "graph") -> TFLiteModelWriter:
+                kv_row_scales: bool = False, decode_linears: str = "graph",
+                prefill_linears: str = "graph") -> TFLiteModelWriter:
     """Trace every signature of the architecture into one TFLite model (not yet written).
 
     decode_attention: "kernel" runs one-token attention in litekv's custom op, "graph" in builtin ops;
@@ -482,7 +490,8 @@ def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: Quant
     or float16.
     kv_row_scales: an int8 cache whose codes have a scale per token and KV head, computed as rows are
     written (needs litekv's attention kernel).
-    decode_linears: "kernel" runs one-token steps' int4 and int8 projections in litekv's custom ops."""
+    decode_linears: "kernel" runs one-token steps' int4 and int8 projections in litekv's custom ops;
+    prefill_linears: "kernel" runs prefill chunks' int4 projections there too."""
     weights = dict(weights)
     weights.setdefault("lm_head.weight", weights["embed.weight"])
     writer = TFLiteModelWriter(description=f"litekv {cfg.architecture}")
@@ -492,7 +501,7 @@ def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: Quant
     groups = {}
     for sig in signatures:
         ops = TFLiteOps(cfg, store, writer.add_signature(sig.name), sig, lora, tables, decode_attention, kv_scales,
-                        prefill_attention, kv_dtype, kv_row_scales, decode_linears)
+                        prefill_attention, kv_dtype, kv_row_scales, decode_linears, prefill_linears)
         if sig.sampler:
             ops.sampler()
         else:

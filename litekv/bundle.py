@@ -33,8 +33,9 @@ FORMAT = "litekv-bundle"
 # one-token steps run the model graph, on its session's pool.
 # 13: ONNX int8 weights are uint8 codes with a zero point of 128 (exact in MLAS without AVX-512 VNNI; int8
 # codes saturated there). Older ONNX int8 bundles still load; reconvert them (`litekv pull` does).
-VERSION = 13
-READABLE_VERSIONS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13)
+# 14: TFLite prefill chunks may run their int4 linears in litekv's custom ops (`prefill_linears`).
+VERSION = 14
+READABLE_VERSIONS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14)
 ATTENTION_KINDS = ("kernel", "graph")
 SAMPLER_SIGNATURE = "sampler"
 # The sampler graph's scalar inputs, each of shape [1], in order: (name, dtype).
@@ -95,13 +96,15 @@ class Manifest:
     # One-token steps' int4 and int8 linears: "kernel" (litekv's ops, reading the weights prefill's
     # FULLY_CONNECTED or MatMulNBits ops use) or "graph" (FULLY_CONNECTED in XNNPACK, MatMulNBits)
     decode_linears: str = "graph"
+    # TFLite prefill chunks' int4 linears: "kernel" (litekv's ops, over the same weights) or "graph"
+    prefill_linears: str = "graph"
     # ONNX: the graph decode steps run, beside `model_file` and over its weight file (decode_linears "kernel")
     decode_model_file: str | None = None
 
     @property
     def uses_attention_kernel(self) -> bool:
         """Whether the model calls litekv's kernel library: its attention, or its linears."""
-        return "kernel" in (self.decode_attention, self.prefill_attention, self.decode_linears)
+        return "kernel" in (self.decode_attention, self.prefill_attention, self.decode_linears, self.prefill_linears)
 
     def signature(self, name: str) -> SignatureInfo:
         for sig in self.signatures:
@@ -138,7 +141,7 @@ class Manifest:
             manifest = cls(**data)
         except (KeyError, TypeError) as e:
             raise BundleError(f"{where}: the manifest is incomplete ({e}); reconvert the model.") from e
-        for key in ("decode_attention", "prefill_attention", "decode_linears"):
+        for key in ("decode_attention", "prefill_attention", "decode_linears", "prefill_linears"):
             if getattr(manifest, key) not in ATTENTION_KINDS:
                 raise BundleError(f"{where}: unknown {key} {getattr(manifest, key)!r}; reconvert the model.")
         if manifest.kv_dtype not in KV_CACHE_DTYPES.values():
@@ -149,6 +152,9 @@ class Manifest:
                                        or manifest.kv_buckets != (manifest.max_context,)):
             raise BundleError(f"{where}: a KV cache with row scales must be int8 on LiteRT with litekv's attention "
                               "kernels, at one capacity; reconvert the model.")
+        if manifest.prefill_linears == "kernel" and manifest.backend != "litert":
+            raise BundleError(f"{where}: prefill chunks run litekv's linears only in LiteRT bundles; reconvert the "
+                              "model.")
         step_kernels = "kernel" in (manifest.decode_linears, manifest.decode_attention)
         if manifest.decode_linears == "kernel" and manifest.backend != "litert" and not manifest.decode_model_file:
             raise BundleError(f"{where}: an ONNX bundle whose decode steps run litekv's linears needs its decode "

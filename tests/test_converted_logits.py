@@ -142,15 +142,21 @@ def test_quantized_graph_computes_its_dequantized_weights(arch, backend, quantiz
             assert error < relative_error(unquantized, expected) / 4
 
 
-def test_tflite_int4_projections_read_no_float_matrices():
+def test_tflite_int4_projections_read_no_float_matrices(tmp_path):
     """XNNPACK packs its own copy of a constant for every op that uses it, so a float32 matrix
     shared by every int4 projection (the 0/1 block-membership matmul) is read once per projection
     per step, and float32 offsets are 4x the bytes of int8 ones: 26-31 MB per SmolLM2 int4 step,
     against 88 MB of int4 weights and int8 head. The block sums are a reshape and a sum, and the
-    offsets are int8 codes. (Prefill's form: decode steps run litekv's linear kernels by default.)"""
+    offsets are int8 codes. (The graph form, `--prefill-linears graph`: by default decode steps and
+    prefill chunks run litekv's linear kernels.)"""
     from ai_edge_litert import schema_py_generated as schema
 
-    model = schema.ModelT.InitFromObj(schema.Model.GetRootAs((bundle("llama", "litert", "int4") / "model.tflite").read_bytes(), 0))
+    from litekv.converters.convert import ConvertOptions, convert
+
+    options = ConvertOptions(backend="litert", quantize="int4", max_context=MAX_CONTEXT,
+                             prefill_lengths=PREFILL_LENGTHS, prefill_linears="graph")
+    path = convert(checkpoint_dir("llama"), tmp_path / "graph-prefill", options)
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAs((path / "model.tflite").read_bytes(), 0))
     decode = next(model.subgraphs[s.subgraphIndex] for s in model.signatureDefs if s.signatureKey.startswith(b"prefill"))
     fully_connected = [i for i, code in enumerate(model.operatorCodes)
                        if code.builtinCode == schema.BuiltinOperator.FULLY_CONNECTED]

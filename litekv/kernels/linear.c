@@ -360,9 +360,22 @@ static int vector_shapes(const LinearJob *job) {
     return job->in % 32 == 0 && (job->format == LINEAR_INT8 || (job->block == 32 && job->in % 64 == 0));
 }
 
+/* The vector path a job takes on this CPU: linear_cpu_vector's, except that int4 jobs of many tokens
+ * take the AVX2 tiles on VNNI CPUs too. The tiles have no VNNI form, and one token at a time a VNNI
+ * row still unpacks its nibbles and reduces its lanes once per token. */
+static int job_vector(const LinearJob *job) {
+    const int path = linear_cpu_vector();
+#if LITEKV_LINEAR_AVX2
+    if (path == LINEAR_VNNI && job->tokens >= LINEAR_TILE_TOKENS && linear_avx2_tiles_fit(job) &&
+        linear_cpu_has_avx2())
+        return LINEAR_AVX2;
+#endif
+    return path;
+}
+
 size_t linear_scratch_bytes(const LinearJob *job) {
     if (job->format == LINEAR_F32) return 64; /* read as it is */
-    switch (linear_cpu_vector()) {
+    switch (job_vector(job)) {
 #if LITEKV_INT8_DOT
     case LINEAR_VNNI: return (size_t)job->tokens * prepared_stride(job);
 #endif
@@ -377,8 +390,9 @@ void linear_prepare(LinearJob *job, void *scratch) {
     const size_t bytes = row_bytes(job), whole = (size_t)job->out * bytes / MIN_TASKS;
     const size_t task = whole > TASK_MAX_BYTES ? TASK_MAX_BYTES : whole < TASK_MIN_BYTES ? TASK_MIN_BYTES : whole;
     int rows = (int)(task / (bytes ? bytes : 1));
-    job->rows_per_task = rows < 4 ? 4 : rows / 4 * 4;
-    job->vector = scratch && vector_shapes(job) ? linear_cpu_vector() : LINEAR_PORTABLE;
+    const int multiple = job->tokens > 1 ? 8 : 4; /* many tokens: whole tiles of 8 rows (linear_avx2_tiles.c) */
+    job->rows_per_task = rows < multiple ? multiple : rows / multiple * multiple;
+    job->vector = scratch && vector_shapes(job) ? job_vector(job) : LINEAR_PORTABLE;
     if (job->format == LINEAR_F32) return;
     job->prepared = scratch;
 #if LITEKV_INT8_DOT

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "avx2_common.h"
+#include "linear_avx2_act.h"
 
 #define TARGET AVX2_TARGET
 #ifndef LINEAR_AVX2_PREFETCH
@@ -39,33 +40,9 @@ int linear_cpu_has_avx2(void) {
 
 /* ---- the prepared activations ------------------------------------------------------------- */
 
-/* One token's activations inside its stride of the scratch, every array 32-byte aligned:
- * int4: even [in / 2], odd [in / 2] int8 (in a multiple of 64: whole spans), then per block, in
- *       groups of 8 blocks in GROUP_ORDER and padded with zeros to a whole group: scales (largest
- *       |x| / 127) and bias (-8 x the codes' sum x the scale) float; sums of x itself (for the
- *       offsets), float in block order;
- * int8: codes [in] int8 (in a multiple of 32), then the blocks' scales as above, in block order. */
-typedef struct {
-    const int8_t *even, *odd; /* int8: even holds all the codes */
-    const float *scales, *bias, *sums;
-} Act;
-
-static size_t padded_blocks(int in) { return ((size_t)in / 32 + 7) / 8 * 8; }
-
-/* Where block i of a group of 8 sits in GROUP_ORDER: span c's blocks 2c and 2c + 1 at c and 4 + c,
- * where group_dots leaves their sums (each span's low 128 bits, then its high). */
-static int group_position(int i) { return i % 2 * 4 + i / 2; }
-
 size_t linear_avx2_stride(const LinearJob *job) {
     const size_t floats = padded_blocks(job->in) * (job->format == LINEAR_INT8 ? 1 : 3);
     return ((size_t)job->in + sizeof(float) * floats + 63) / 64 * 64;
-}
-
-static Act act(const LinearJob *job, int t) {
-    const int8_t *p = (const int8_t *)job->prepared + (size_t)t * job->prepared_stride;
-    const float *f = (const float *)(const void *)(p + job->in);
-    const size_t groups = padded_blocks(job->in);
-    return (Act){p, p + job->in / 2, f, f + groups, f + 2 * groups};
 }
 
 TARGET static inline int sum8i(__m256i v) {
@@ -353,6 +330,11 @@ TARGET static void f32_rows(const LinearJob *job, int first, int last) {
 }
 
 void linear_avx2_rows(const LinearJob *job, int first, int last) {
+    if (job->tokens >= LINEAR_TILE_TOKENS && linear_avx2_tiles_fit(job)) { /* whole tiles, then any rows left */
+        const int tiled = first + (last - first) / 8 * 8;
+        linear_avx2_tiles(job, first, tiled);
+        first = tiled;
+    }
     (linear_format_int4(job->format) ? int4_rows : job->format == LINEAR_F32 ? f32_rows : int8_rows)(job, first, last);
 }
 
