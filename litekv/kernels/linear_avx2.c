@@ -15,7 +15,7 @@
  *   (-8 x the block's code sum x its scale), and the offsets' share is added per 8 blocks too.
  * - int8: |code| against the activation carrying the code's sign (vpsignb), a pair at most
  *   2 x 128 x 127; a span is one block.
- * - fp32: a float dot product per row, four sums, prefetched.
+ * - fp32: a float dot product per row, four sums, left to the hardware prefetchers.
  * A decode step's linears are bound by memory: SmolLM2's int4 step (92 MB) reads at 26-28 GB/s
  * with both threads where a plain read reaches 28-30; in cache a core computes int4 rows of 576
  * codes at 19 GB/s, of 1536 at 28, int8 at 33. Each thread reads one row at a time, a single
@@ -304,7 +304,10 @@ TARGET static inline __m256i first_lanes(int n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-/* One row at a time, as the VNNI path: a single stream per thread, prefetched ahead. */
+/* One row at a time: a single stream per thread, which the hardware prefetchers follow. Software
+ * prefetches, which the int4 and int8 rows gain from, cost float rows: a whole SmolLM2 fp32 step's
+ * 538 MB took 19.4 ms with them and 17.2 without, and ONNX fp32 (its LM head here) decoded at
+ * 58.9 tok/s with them against 60.7 (bench/PERFORMANCE.md, twentieth round). */
 TARGET static void f32_rows(const LinearJob *job, int first, int last) {
     const int in = job->in;
     for (int t = 0; t < job->tokens; t++) {
@@ -314,8 +317,6 @@ TARGET static void f32_rows(const LinearJob *job, int first, int last) {
             __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
             int k = 0;
             for (; k + 32 <= in; k += 32) {
-                _mm_prefetch((const char *)(w + k) + LINEAR_AVX2_PREFETCH, _MM_HINT_T0);
-                _mm_prefetch((const char *)(w + k + 16) + LINEAR_AVX2_PREFETCH, _MM_HINT_T0);
                 for (int i = 0; i < 4; i++)
                     acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8 * i), _mm256_loadu_ps(x + k + 8 * i), acc[i]);
             }
