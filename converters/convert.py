@@ -79,13 +79,14 @@ def default_decode_linears(backend: str, quantize: str, attention: str = "kernel
 
 
 def default_prefill_linears(backend: str, quantize: str, decode_linears: str, lora: bool = False) -> str:
-    """Where a LiteRT bundle's prefill chunks run their int4 linears without --prefill-linears.
+    """Where a bundle's prefill chunks run their int4 linears without --prefill-linears.
 
     "kernel" wherever the decode steps' linears are litekv's and the weights int4: on AVX2 XNNPACK's
     block-wise int4 GEMM ran a 256-token prefill at 420 tok/s, half its int8 rate, and litekv's tiles
     compute the same projections at about twice XNNPACK's rate (bench/PERFORMANCE.md, twentieth
-    round). The kernel library is then needed anyway. Not with LoRA inputs, as for the steps."""
-    if lora or backend != "litert":
+    round). The kernel library is then needed anyway. ONNX int4 bundles too: LinearInt4's tiles
+    prefilled 1.6x as fast as MatMulNBits. Not with LoRA inputs, as for the steps."""
+    if lora:
         return "graph"
     return "kernel" if quantize == "int4" and decode_linears == "kernel" else "graph"
 
@@ -116,8 +117,8 @@ class ConvertOptions:
     # kernel; ONNX: int4 only, in a decode graph of its own) or "graph" (XNNPACK's FULLY_CONNECTED, ONNX
     # Runtime's MatMulNBits). None: default_decode_linears.
     decode_linears: str | None = None
-    # LiteRT prefill chunks' int4 linears: "kernel" (litekv's custom op, tiles of 8 rows x 4 tokens) or
-    # "graph" (XNNPACK's block-wise int4 FULLY_CONNECTED). None: default_prefill_linears.
+    # Prefill chunks' int4 linears: "kernel" (litekv's custom op, tiles of 8 rows x 4 tokens) or "graph"
+    # (XNNPACK's block-wise int4 FULLY_CONNECTED, MatMulNBits). None: default_prefill_linears.
     prefill_linears: str | None = None
 
     def __post_init__(self) -> None:
@@ -190,9 +191,6 @@ class ConvertOptions:
             if self.prefill_linears not in ATTENTION_KINDS:
                 raise ConfigError(f"unknown prefill linears {self.prefill_linears!r}; choose one of "
                                   f"{', '.join(ATTENTION_KINDS)}.")
-            if self.prefill_linears == "kernel" and self.backend != "litert":
-                raise ConfigError("--prefill-linears kernel is for LiteRT bundles (ONNX prefill runs MatMulNBits); "
-                                  "drop --prefill-linears or use --backend litert.")
         QuantPlan.named(self.quantize, self.lm_head, self.embedding)  # validates the head/table choices
 
     @property
@@ -255,8 +253,8 @@ class ConvertOptions:
 
     @property
     def prefill_linears_kind(self) -> str:
-        """The prefill chunks' int4 linears: "kernel" only on LiteRT where some projection is int4."""
-        if self.backend != "litert" or self.plan.weights != "int4":
+        """The prefill chunks' int4 linears: "kernel" only where the projections are int4."""
+        if self.plan.weights != "int4":
             return "graph"
         if self.prefill_linears is None:
             return default_prefill_linears(self.backend, self.quantize, self.linears_kind, self.lora_rank is not None)
@@ -448,7 +446,8 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         linears = options.linears_kind
         attention = dict(decode_attention=options.attention_kind, prefill_attention=options.prefill_attention_kind)
         model, _ = emit_onnx(cfg, ckpt.weights, plan, None, options.max_context, kv_scales=kv_scales,
-                             kv_dtype=options.kv_dtype, decode_linears=linears, **attention)
+                             kv_dtype=options.kv_dtype, decode_linears=linears,
+                             prefill_linears=options.prefill_linears_kind, **attention)
         bar.stage("tracing graph")(1, 1, f"{len(model.graph.node)} nodes")
         onnx.save_model(model, str(staging / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
                         location="model.onnx.data", size_threshold=1024)
@@ -539,9 +538,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "kernel, on ONNX with int4 weights, in a decode graph of its own; never with --lora-rank) or "
                         "graph (XNNPACK's FULLY_CONNECTED, ONNX Runtime's MatMulNBits)")
     parser.add_argument("--prefill-linears", choices=ATTENTION_KINDS,
-                        help="LiteRT prefill chunks' int4 linears: kernel (litekv's custom op, over the weights the "
-                        "steps read; default where the steps' linears are litekv's and the weights int4) or graph "
-                        "(XNNPACK's block-wise int4 FULLY_CONNECTED)")
+                        help="prefill chunks' int4 linears: kernel (litekv's custom op, over the weights the steps "
+                        "read; default where the steps' linears are litekv's and the weights int4) or graph "
+                        "(XNNPACK's block-wise int4 FULLY_CONNECTED, ONNX Runtime's MatMulNBits)")
 
 
 def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:

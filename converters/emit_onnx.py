@@ -40,7 +40,7 @@ class OnnxOps(GraphOps):
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan, sig: Signature,
                  lora: LoraSpec | None, tables, kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
                  kv_dtype: str = "float32", decode_linears: str = "graph", step_graph: bool = False,
-                 attention: str = "graph"):
+                 attention: str = "graph", prefill_linears: str = "graph"):
         super().__init__(cfg, weights, plan, sig, lora, tables)
         # "kernel": this graph attends in litekv's op (DecodeAttention in the step graph, else
         # PrefillAttention; their Int8 forms over an int8 cache) over the cache GroupQueryAttention
@@ -49,9 +49,12 @@ class OnnxOps(GraphOps):
         # litekv's linear ops (domain "litekv"): with "kernel", one-row int4 / int8 projections (the
         # LM head), and in the step graph every int4 one; they read the tensors MatMulNBits reads.
         self.kernel_linears = decode_linears == "kernel"
+        # "kernel": a chunk's int4 projections are LinearInt4 too (on the session's pool), whose tiles
+        # prefilled 1.6x as fast as MatMulNBits (bench/PERFORMANCE.md, twentieth round)
+        self.prefill_linears = prefill_linears
         # the graph calls litekv's library anyway: an fp32 LM head and a gated MLP's activation
         # (over the runtime's own projections) run in its ops too
-        self.kernel_ops = self.kernel_linears or self.attention_kernel
+        self.kernel_ops = self.kernel_linears or self.attention_kernel or prefill_linears == "kernel"
         self.step_graph = step_graph
         self.kv_scales = kv_scales  # (keys, values) [layers, KVH, D]: an int8 cache; None: float32 or float16
         self.kv_dtype = "int8" if kv_scales is not None else kv_dtype
@@ -277,13 +280,16 @@ class OnnxOps(GraphOps):
         fmt = self.plan.format_for(name)
         if fmt == "fp32" and self.kernel_ops and x.shape[-2] == 1:
             return self._f32_rows(x, name, parts)
-        if self.kernel_linears and fmt == "int4" and not (self.step_graph or x.shape[-2] == 1):
-            # a chunk: MatMulNBits, then litekv's Int4Offsets adds the offsets' share from the int8
-            # offsets LinearInt4 reads (in place of a block-sum matmul, a matmul and an add)
+        chunk = not (self.step_graph or x.shape[-2] == 1)
+        if chunk and fmt == "int4" and self.kernel_linears and self.prefill_linears != "kernel":
+            # MatMulNBits, then litekv's Int4Offsets adds the offsets' share from the int8 offsets
+            # LinearInt4 reads (in place of a block-sum matmul, a matmul and an add)
             codes_share = self.matmul_weight(x, name, parts)
             offsets = self._int8_offsets(name, self.int4_weights(name, parts)[2])
             return self._node("Int4Offsets", [codes_share, x, *offsets], codes_share.shape, domain=KERNEL_DOMAIN)
-        if not self.kernel_linears or fmt not in ("int4", "int8") or not (self.step_graph or x.shape[-2] == 1):
+        kernel = (fmt == "int4" and self.prefill_linears == "kernel") if chunk else \
+            (self.kernel_linears and fmt in ("int4", "int8"))
+        if not kernel:
             return super().project(x, name, parts)
         out_dim = sum(self.weights[p].shape[0] for p in parts)
         if fmt == "int4":
@@ -565,17 +571,19 @@ def emit_onnx(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPl
               max_context: int, progress: Callable[[str], None] | None = None,
               kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
               kv_dtype: str = "float32", decode_linears: str = "graph", step_graph: bool = False,
-              decode_attention: str = "graph", prefill_attention: str = "graph") -> onnx.ModelProto:
+              decode_attention: str = "graph", prefill_attention: str = "graph",
+              prefill_linears: str = "graph") -> onnx.ModelProto:
     """Trace the architecture once into an ONNX model with a dynamic token axis; with
     `kv_scales` (see kv_calibration) the KV cache is int8, else of `kv_dtype` (float32 or float16).
     decode_linears="kernel": one-row quantized projections run in litekv's ops, and with
     `step_graph` (the graph for decode steps) every int4 projection does. decode_attention /
-    prefill_attention="kernel": the step graph / the other attends in litekv's ops."""
+    prefill_attention="kernel": the step graph / the other attends in litekv's ops.
+    prefill_linears="kernel": a chunk's int4 projections run in litekv's LinearInt4 as well."""
     weights = dict(weights)
     weights.setdefault("lm_head.weight", weights["embed.weight"])
     sig = Signature("decode" if step_graph else "model", T_DIM, max_context, lora=lora is not None)
     ops = OnnxOps(cfg, weights, plan, sig, lora, rope_tables(cfg, max_context), kv_scales, kv_dtype, decode_linears,
-                  step_graph, decode_attention if step_graph else prefill_attention)
+                  step_graph, decode_attention if step_graph else prefill_attention, prefill_linears)
     ops.begin(max_context)
     model = ops.finish(architecture(cfg.architecture).forward(ops, cfg))
     if progress:

@@ -33,7 +33,7 @@ FORMAT = "litekv-bundle"
 # one-token steps run the model graph, on its session's pool.
 # 13: ONNX int8 weights are uint8 codes with a zero point of 128 (exact in MLAS without AVX-512 VNNI; int8
 # codes saturated there). Older ONNX int8 bundles still load; reconvert them (`litekv pull` does).
-# 14: TFLite prefill chunks may run their int4 linears in litekv's custom ops (`prefill_linears`).
+# 14: prefill chunks may run their int4 linears in litekv's custom ops (`prefill_linears`).
 VERSION = 14
 READABLE_VERSIONS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14)
 ATTENTION_KINDS = ("kernel", "graph")
@@ -96,7 +96,7 @@ class Manifest:
     # One-token steps' int4 and int8 linears: "kernel" (litekv's ops, reading the weights prefill's
     # FULLY_CONNECTED or MatMulNBits ops use) or "graph" (FULLY_CONNECTED in XNNPACK, MatMulNBits)
     decode_linears: str = "graph"
-    # TFLite prefill chunks' int4 linears: "kernel" (litekv's ops, over the same weights) or "graph"
+    # Prefill chunks' int4 linears: "kernel" (litekv's ops, over the same weights) or "graph"
     prefill_linears: str = "graph"
     # ONNX: the graph decode steps run, beside `model_file` and over its weight file (decode_linears "kernel")
     decode_model_file: str | None = None
@@ -152,9 +152,6 @@ class Manifest:
                                        or manifest.kv_buckets != (manifest.max_context,)):
             raise BundleError(f"{where}: a KV cache with row scales must be int8 on LiteRT with litekv's attention "
                               "kernels, at one capacity; reconvert the model.")
-        if manifest.prefill_linears == "kernel" and manifest.backend != "litert":
-            raise BundleError(f"{where}: prefill chunks run litekv's linears only in LiteRT bundles; reconvert the "
-                              "model.")
         step_kernels = "kernel" in (manifest.decode_linears, manifest.decode_attention)
         if manifest.decode_linears == "kernel" and manifest.backend != "litert" and not manifest.decode_model_file:
             raise BundleError(f"{where}: an ONNX bundle whose decode steps run litekv's linears needs its decode "

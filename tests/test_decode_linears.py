@@ -235,28 +235,27 @@ def test_the_kernels_are_the_default_for_quantized_weights():
     assert kind(backend="litert", quantize="int4", decode_linears="graph") == "graph"
 
 
-def test_prefill_linears_default_to_the_kernel_for_litert_int4_weights_only():
+def test_prefill_linears_default_to_the_kernel_for_int4_weights_only():
     def kind(**options):
         return ConvertOptions(max_context=64, prefill_lengths=(8,), **options).prefill_linears_kind
 
     assert kind(backend="litert", quantize="int4") == "kernel"
     assert kind(backend="litert", quantize="int8") == kind(backend="litert", quantize="fp32") == "graph"
-    assert kind(backend="onnx", quantize="int4") == "graph"
+    assert kind(backend="onnx", quantize="int4") == "kernel"
+    assert kind(backend="onnx", quantize="int8") == "graph"
     assert kind(backend="litert", quantize="int4", lora_rank=4) == "graph"
     assert kind(backend="litert", quantize="int4", decode_linears="graph") == "graph"
     assert kind(backend="litert", quantize="int4", prefill_linears="graph") == "graph"
     assert kind(backend="litert", quantize="int8", prefill_linears="kernel") == "graph"  # no int4 projection
-    with pytest.raises(ConfigError, match="for LiteRT bundles"):
-        ConvertOptions(backend="onnx", quantize="int4", prefill_linears="kernel")
     with pytest.raises(ConfigError, match="unknown prefill linears"):
         ConvertOptions(backend="litert", quantize="int4", prefill_linears="fast")
 
 
-def test_an_onnx_manifest_with_kernel_prefill_linears_is_refused():
+def test_a_manifest_with_unknown_prefill_linears_is_refused():
     manifest = read_manifest(bundle("llama", "int4", "kernel"))
     assert manifest.prefill_linears == "kernel"
-    text = manifest.to_json().replace('"backend": "litert"', '"backend": "onnx"')
-    with pytest.raises(BundleError, match="prefill chunks run litekv's linears only in LiteRT"):
+    text = manifest.to_json().replace('"prefill_linears": "kernel"', '"prefill_linears": "fast"')
+    with pytest.raises(BundleError, match="unknown prefill_linears 'fast'; reconvert"):
         Manifest.from_json(text, "litekv.json")
 
 

@@ -363,9 +363,11 @@ def test_the_library_registers_only_through_litekv():
 @lru_cache(maxsize=None)
 def bundle(arch: str, kind: str) -> Path:
     """An ONNX int4 bundle with a float32 cache whose linears and attention are litekv's kernels
-    ("kernel") or ONNX Runtime's own ops (MatMulNBits, GroupQueryAttention: "graph")."""
+    ("kernel"; a chunk's projections still MatMulNBits) or ONNX Runtime's own ops (MatMulNBits,
+    GroupQueryAttention: "graph")."""
     options = ConvertOptions(backend="onnx", quantize="int4", max_context=64, prefill_lengths=PREFILL_LENGTHS,
-                             decode_linears=kind, decode_attention=kind, prefill_attention=kind, kv_cache="fp32")
+                             decode_linears=kind, decode_attention=kind, prefill_attention=kind, kv_cache="fp32",
+                             prefill_linears="graph")
     return convert(checkpoint_dir(arch), _ROOT / f"{arch}-onnx-int4-{kind}-ops", options)
 
 
@@ -482,6 +484,41 @@ def test_the_decode_graph_reads_the_prefill_weights(arch, gate):
     offsets = {n.input[2] for n in prefill_model.graph.node if n.op_type == "Int4Offsets"}
     assert offsets == {n.input[3] for n in model.graph.node if n.op_type == "LinearInt4"}
     assert all(len(t.raw_data) < 1024 for t in model.graph.initializer)  # the rest: shapes, a few constants
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_prefill_chunks_run_their_int4_projections_in_linear_int4(arch):
+    """The default ONNX int4 bundle (--prefill-linears kernel): a chunk's int4 projections are
+    LinearInt4 on the session's pool (no MatMulNBits, no Int4Offsets), reading the tensors the
+    decode graph's read. Its prefill agrees with MatMulNBits' to the activations' rounding (both
+    int8 per 32; the integer tiles on this CPU), and so do the steps that follow."""
+    options = ConvertOptions(backend="onnx", quantize="int4", max_context=64, prefill_lengths=PREFILL_LENGTHS,
+                             kv_cache="fp32")
+    path = convert(checkpoint_dir(arch), _ROOT / f"{arch}-onnx-int4-kernel-prefill", options)
+    manifest = read_manifest(path)
+    assert manifest.prefill_linears == "kernel" and manifest.decode_linears == "kernel"
+    layers = manifest.config.num_layers
+    prefill = op_types(path / manifest.model_file)
+    assert prefill["LinearInt4"] == 4 * layers and not {"MatMulNBits", "Int4Offsets"} & set(prefill)
+    model = onnx.load(path / manifest.model_file, load_external_data=False)
+    step = onnx.load(path / manifest.decode_model_file, load_external_data=False)
+    chunk_codes = {n.input[1] for n in model.graph.node if n.op_type == "LinearInt4"}
+    assert chunk_codes == {n.input[1] for n in step.graph.node if n.op_type == "LinearInt4"}
+    assert all(a.i == 1 for n in model.graph.node if n.op_type == "LinearInt4" for a in n.attribute
+               if a.name == "on_pool")
+    ours, theirs = open_executor(path), open_executor(bundle(arch, "kernel"))
+    prompt = np.random.default_rng(7).integers(3, ours.config.vocab_size, 9)
+    a, b = ours.create_kv_cache(), theirs.create_kv_cache()
+    ours.prefill(prompt[:-1], a)
+    theirs.prefill(prompt[:-1], b)
+    for layer in range(layers):
+        assert relative_error(a.key_cache(layer), b.key_cache(layer)) < 0.05
+        assert relative_error(a.value_cache(layer), b.value_cache(layer)) < 0.05
+    token = prompt[-1]
+    for _ in range(4):
+        mine, graph = ours.step([token], a), theirs.step([token], b)
+        assert relative_error(mine, graph) < 0.05
+        token = int(np.argmax(graph))
 
 
 @pytest.mark.parametrize("arch, tied", [("llama", False), ("llama3", True), ("gemma3", True)])
