@@ -57,12 +57,13 @@ def converter_fingerprint() -> str:
 def smollm2_bundle(backend: str, quantize: str, max_context: int = 4096, lora_rank: int | None = None,
                    prefill_lengths: tuple[int, ...] = (32, 128, 256, 512), kv_cache: str | None = None,
                    lm_head: str | None = None, decode_attention: str | None = None,
-                   decode_linears: str | None = None) -> Path:
+                   decode_linears: str | None = None, prefill_linears: str | None = None) -> Path:
     """A SmolLM2 bundle in the user cache, converted on first use. kv_cache, lm_head, decode_attention,
-    decode_linears None: the converter's defaults."""
+    decode_linears, prefill_linears None: the converter's defaults."""
     variant = (("" if kv_cache is None else f"-kv{kv_cache}") + ("" if lm_head is None else f"-head{lm_head}")
                + ("" if decode_attention is None else f"-{decode_attention}-attention")
-               + ("" if decode_linears is None else f"-{decode_linears}-linears"))
+               + ("" if decode_linears is None else f"-{decode_linears}-linears")
+               + ("" if prefill_linears is None else f"-{prefill_linears}-prefill-linears"))
     name = (f"smollm2-{backend}-{quantize}{variant}-ctx{max_context}-lora{lora_rank}-p{'_'.join(map(str, prefill_lengths))}"
             f"-{converter_fingerprint()}")
     path = cache_dir() / "bench-bundles" / name
@@ -70,7 +71,8 @@ def smollm2_bundle(backend: str, quantize: str, max_context: int = 4096, lora_ra
         path.parent.mkdir(parents=True, exist_ok=True)
         options = ConvertOptions(backend=backend, quantize=quantize, max_context=max_context, lora_rank=lora_rank,
                                  prefill_lengths=prefill_lengths, kv_cache=kv_cache, lm_head=lm_head,
-                                 decode_attention=decode_attention, decode_linears=decode_linears)
+                                 decode_attention=decode_attention, decode_linears=decode_linears,
+                                 prefill_linears=prefill_linears)
         print(f"converting {name} ...", file=sys.stderr)
         convert(checkpoint_path(), path, options, show_progress=True)
     return path
