@@ -107,8 +107,9 @@ def test_a_gated_linear_applies_its_activation_to_the_first_half(gate, vector):
 @pytest.mark.parametrize("out_dim, in_dim", [(37, 576), (5, 64), (13, 1088), (22, 448), (11, 384)])
 def test_linear_int4_computes_what_it_quantizes(out_dim, in_dim):
     """LinearInt4's unsigned nibbles (MatMulNBits' layout, LINEAR_UINT4) on the integer path (this
-    CPU's VNNI or AVX2) against its own arithmetic in float64, one token and three, every block
-    group's tail, rows not a multiple of 4 or 8; gated, the gate of those rows."""
+    CPU's VNNI or AVX2) against its own arithmetic in float64, one token and three (the one-token
+    rows) and 4 and 9 (the tiles, a prefill chunk's path), every block group's tail, rows not a
+    multiple of 4 or 8; gated, the gate of those rows."""
     rng = np.random.default_rng(out_dim * in_dim)
     w = rng.normal(size=(2 * out_dim, in_dim)).astype(np.float32) - 0.2
     kernel = AttentionKernel(16, 4, 64, threads=2)
@@ -116,7 +117,7 @@ def test_linear_int4_computes_what_it_quantizes(out_dim, in_dim):
     plain = session(op_model("LinearInt4", in_dim, 2 * out_dim, inputs), kernel)
     gated = session(op_model("LinearInt4", in_dim, out_dim, inputs, gate=GATES.index("silu") + 1), kernel)
     signed = signed_nibbles(inputs["codes"].reshape(len(w), -1) ^ 0x88)
-    for tokens in (1, 3):
+    for tokens in (1, 3, 4, 9):
         x = rng.normal(size=(tokens, in_dim)).astype(np.float32)
         x[:, :32] *= 1000.0
         want, magnitude = integer_reference(x, signed, inputs["offset_scales"], inputs["scales"], inputs["offsets"])
