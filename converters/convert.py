@@ -78,17 +78,16 @@ def default_decode_linears(backend: str, quantize: str, attention: str = "kernel
     return "kernel" if quantize in ("int4", "int8") and attention == "kernel" else "graph"
 
 
-def default_prefill_linears(backend: str, quantize: str, decode_linears: str, lora: bool = False) -> str:
-    """Where a bundle's prefill chunks run their int4 linears without --prefill-linears.
+def default_prefill_linears(decode_linears: str, lora: bool = False) -> str:
+    """Where a bundle's prefill chunks run their int4 linears (ConvertOptions.prefill_linears_kind
+    asks only for int4 weights) without --prefill-linears.
 
-    "kernel" wherever the decode steps' linears are litekv's and the weights int4: on AVX2 XNNPACK's
+    "kernel" wherever the decode steps' linears are litekv's: on AVX2 XNNPACK's
     block-wise int4 GEMM ran a 256-token prefill at 420 tok/s, half its int8 rate, and litekv's tiles
     compute the same projections at about twice XNNPACK's rate (bench/PERFORMANCE.md, twentieth
     round). The kernel library is then needed anyway. ONNX int4 bundles too: LinearInt4's tiles
     prefilled 1.6x as fast as MatMulNBits. Not with LoRA inputs, as for the steps."""
-    if lora:
-        return "graph"
-    return "kernel" if quantize == "int4" and decode_linears == "kernel" else "graph"
+    return "kernel" if decode_linears == "kernel" and not lora else "graph"
 
 
 @dataclass(frozen=True)
@@ -257,7 +256,7 @@ class ConvertOptions:
         if self.plan.weights != "int4":
             return "graph"
         if self.prefill_linears is None:
-            return default_prefill_linears(self.backend, self.quantize, self.linears_kind, self.lora_rank is not None)
+            return default_prefill_linears(self.linears_kind, self.lora_rank is not None)
         return self.prefill_linears
 
     @property

@@ -366,8 +366,7 @@ static int vector_shapes(const LinearJob *job) {
 static int job_vector(const LinearJob *job) {
     const int path = linear_cpu_vector();
 #if LITEKV_LINEAR_AVX2
-    if (path == LINEAR_VNNI && job->tokens >= LINEAR_TILE_TOKENS && linear_avx2_tiles_fit(job) &&
-        linear_cpu_has_avx2())
+    if (path == LINEAR_VNNI && linear_avx2_tiles_take(job) && linear_cpu_has_avx2())
         return LINEAR_AVX2;
 #endif
     return path;
@@ -390,7 +389,7 @@ void linear_prepare(LinearJob *job, void *scratch) {
     const size_t bytes = row_bytes(job), whole = (size_t)job->out * bytes / MIN_TASKS;
     const size_t task = whole > TASK_MAX_BYTES ? TASK_MAX_BYTES : whole < TASK_MIN_BYTES ? TASK_MIN_BYTES : whole;
     int rows = (int)(task / (bytes ? bytes : 1));
-    const int multiple = job->tokens > 1 ? 8 : 4; /* many tokens: whole tiles of 8 rows (linear_avx2_tiles.c) */
+    const int multiple = job->tokens > 1 ? LINEAR_TILE_ROWS : 4; /* many tokens: whole tiles (linear_avx2_tiles.c) */
     job->rows_per_task = rows < multiple ? multiple : rows / multiple * multiple;
     job->vector = scratch && vector_shapes(job) ? job_vector(job) : LINEAR_PORTABLE;
     if (job->format == LINEAR_F32) return;

@@ -86,10 +86,10 @@ size_t linear_avx2_stride(const LinearJob *job); /* prepared bytes per token */
 void linear_avx2_prepare(const LinearJob *job);  /* into job->prepared, job->prepared_stride apart */
 void linear_avx2_rows(const LinearJob *job, int first, int last);
 void linear_avx2_gate(const float *g, const float *u, float *out, size_t n, int gate); /* out = act(g) u */
-/* linear_avx2_tiles.c: int4 rows over many tokens in tiles of 8 rows (first and last multiples of 8),
- * for jobs linear_avx2_tiles_fit accepts; linear_avx2_rows calls it from LINEAR_TILE_TOKENS tokens. */
-#define LINEAR_TILE_TOKENS 4
-int linear_avx2_tiles_fit(const LinearJob *job);
+/* linear_avx2_tiles.c: int4 rows over many tokens in tiles of LINEAR_TILE_ROWS rows (first and last
+ * multiples of it), for the jobs linear_avx2_tiles_take (4 tokens or more); linear_avx2_rows calls it. */
+#define LINEAR_TILE_ROWS 8
+int linear_avx2_tiles_take(const LinearJob *job);
 void linear_avx2_tiles(const LinearJob *job, int first, int last);
 #else
 #define LITEKV_LINEAR_AVX2 0

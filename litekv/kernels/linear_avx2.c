@@ -331,8 +331,8 @@ TARGET static void f32_rows(const LinearJob *job, int first, int last) {
 }
 
 void linear_avx2_rows(const LinearJob *job, int first, int last) {
-    if (job->tokens >= LINEAR_TILE_TOKENS && linear_avx2_tiles_fit(job)) { /* whole tiles, then any rows left */
-        const int tiled = first + (last - first) / 8 * 8;
+    if (linear_avx2_tiles_take(job)) { /* whole tiles, then any rows left */
+        const int tiled = first + (last - first) / LINEAR_TILE_ROWS * LINEAR_TILE_ROWS;
         linear_avx2_tiles(job, first, tiled);
         first = tiled;
     }

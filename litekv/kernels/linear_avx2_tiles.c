@@ -22,10 +22,9 @@
 #include "linear_avx2_act.h"
 
 #define TARGET AVX2_TARGET
-#define INLINE_ALWAYS static inline __attribute__((always_inline))
-#define TILE_ROWS 8
+#define TILE_ROWS LINEAR_TILE_ROWS
 #define TILE_TOKENS 4
-#define MAX_IN 16384 /* the regrouped tile lives on the stack: at most 64 KB + 8 KB of scales */
+#define MAX_IN 8192 /* the regrouped tile lives on the stack: in x 8 bytes of codes, in / 2 of floats */
 
 /* A tile's weights, regrouped: codes [in / 8 steps][8 rows] dwords (code + 8 in each nibble);
  * scales and offsets (times the row's offset scale) float [blocks][8 rows]. */
@@ -35,7 +34,7 @@ typedef struct {
 } Tile;
 
 /* 8 rows of 8 dwords each to 8 vectors of one dword per row: out[s] holds dword s of every row. */
-TARGET INLINE_ALWAYS void transpose8(const __m256i in[8], __m256i out[8]) {
+AVX2_HELPER void transpose8(const __m256i in[8], __m256i out[8]) {
     __m256i a[8], b[8];
     for (int i = 0; i < 4; i++) {
         a[2 * i] = _mm256_unpacklo_epi32(in[2 * i], in[2 * i + 1]);
@@ -83,7 +82,7 @@ TARGET static void regroup(const LinearJob *job, int o, uint8_t *codes, float *s
 }
 
 /* A dword of the prepared activations, broadcast to every lane. */
-TARGET INLINE_ALWAYS __m256i broadcast4(const int8_t *p) {
+AVX2_HELPER __m256i broadcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, sizeof v);
     return _mm256_set1_epi32(v);
@@ -91,7 +90,7 @@ TARGET INLINE_ALWAYS __m256i broadcast4(const int8_t *p) {
 
 /* The tile's 8 rows for tokens [t, t + count): y's 8 floats per token. count is a constant in each
  * caller, so the token loops unroll and the sums stay in registers. */
-TARGET INLINE_ALWAYS void tile_tokens(const LinearJob *job, const Tile *tile, int o, int t, const int count) {
+AVX2_HELPER void tile_tokens(const LinearJob *job, const Tile *tile, int o, int t, const int count) {
     const int blocks = job->in / 32;
     const __m256i ones = _mm256_set1_epi16(1);
     Act a[TILE_TOKENS];
@@ -125,8 +124,8 @@ TARGET INLINE_ALWAYS void tile_tokens(const LinearJob *job, const Tile *tile, in
     for (int i = 0; i < count; i++) _mm256_storeu_ps(job->y + (size_t)(t + i) * job->out + o, sums[i]);
 }
 
-int linear_avx2_tiles_fit(const LinearJob *job) {
-    return linear_format_int4(job->format) && job->block == 32 && job->in <= MAX_IN;
+int linear_avx2_tiles_take(const LinearJob *job) {
+    return job->tokens >= TILE_TOKENS && linear_format_int4(job->format) && job->block == 32 && job->in <= MAX_IN;
 }
 
 TARGET void linear_avx2_tiles(const LinearJob *job, int first, int last) {
