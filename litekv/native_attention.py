@@ -207,8 +207,8 @@ def available() -> bool:
 
 
 def int8_dot_available() -> bool:
-    """Whether int8 caches are multiplied as integers here (AVX-512 VNNI); else their codes are
-    widened to floats, about twice as slow."""
+    """Whether int8 caches are multiplied as integers here (AVX-512 VNNI, or AVX2's vpmaddwd); else
+    their codes are widened to floats, about twice as slow."""
     return bool(_load().litekv_attention_int8_dot())
 
 
@@ -221,7 +221,7 @@ def cpu_paths() -> dict[str, str]:
     decode attention's "avx512-vnni" is that too, with int8 caches multiplied as integers).
     Speed differs by several times between them, so benchmarks and bug reports should name them."""
     lib = _load()
-    if lib.litekv_attention_int8_dot():
+    if lib.litekv_attention_int8_dot() == 2:
         decode = "avx512-vnni"
     elif hasattr(lib, "litekv_decode_avx2") and lib.litekv_decode_avx2():
         decode = "avx2"

@@ -579,6 +579,31 @@ def test_avx2_path_agrees_with_the_portable_path(portable_path, cache, heads, kv
     np.testing.assert_allclose(vector, portable, atol=1e-5 * scale, rtol=1e-5)
 
 
+@avx2_path
+@pytest.mark.parametrize("cache", ["int8", "int8_rows"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, slots, live, window", AVX2_SHAPES)
+@pytest.mark.parametrize("threads", [1, 2], ids=["one thread", "two threads"])
+def test_avx2_integer_path_matches_numpy(cache, heads, kv_heads, head_dim, slots, live, window, threads):
+    """With int8_dot the AVX2 path multiplies int8 codes as integers (vpmaddwd): the query in int16
+    words and the softmax numerators in 15 bits, over every shape the float path takes. Within a
+    twentieth of a code of float64 numpy, and not the widened path's arithmetic (switched to with
+    litekv_decode_avx2_allow(2)), so the integer loops did run."""
+    q, k, v, m, ks, vs, keys, values = cache_case(cache, heads, kv_heads, head_dim, slots, live, window, seed=7)
+    got = native_attention.reference(q, k, v, m, kv_heads, head_dim, threads, int8_dot=True, key_scales=ks,
+                                     value_scales=vs)
+    expected = numpy_attention(q, keys, values, m, kv_heads, head_dim)
+    scale = max(1.0, float(np.abs(expected).max()))
+    np.testing.assert_allclose(got, expected, atol=4e-4 * scale, rtol=1e-4)
+    avx2_switch()(2)
+    try:
+        widened = native_attention.reference(q, k, v, m, kv_heads, head_dim, threads, int8_dot=True, key_scales=ks,
+                                             value_scales=vs)
+    finally:
+        avx2_switch()(1)
+    within_float_rounding(widened, expected, cache)
+    assert not np.array_equal(got, widened)
+
+
 def head_major_attention(kernel, query, keys, values, lo, hi, cache_type):
     """litekv_attention_head_major (ONNX Runtime's ops' entry): keys and values [KVH, S, D]."""
     lib = native_attention._load()

@@ -270,7 +270,7 @@ def int8_model(heads: int, kv_heads: int, slots: int, head_dim: int, rotary_half
 def test_an_int8_step_matches_numpy_on_the_dequantized_cache(head_dim, threads, int8_dot):
     """The step's rows are quantized with the cache's scales (to the nearest code, saturated), and
     the query attends to codes x scales: numpy on the dequantized cache. Contexts in one chunk and
-    several, with a window; the integer path (d64 on a CPU with VNNI) within its digits' rounding."""
+    several, with a window; the integer path (d64 on a CPU with VNNI or AVX2) within its rounding."""
     heads, kv_heads, slots, half = 9, 3, 1024, head_dim // 2
     rng = np.random.default_rng(head_dim + 10 * threads)
     kernel = AttentionKernel(head_dim, heads, slots, threads=threads, int8_dot=int8_dot)

@@ -142,13 +142,15 @@ INLINE float max_of(const float *x, int n) {
     return best;
 }
 
-/* The query in two int8 digits per element, for the int8 dot-product path: head h's q ~ unit[h] *
- * (128 * hi + lo), and offset[h] = 128 * (128 * sum(hi) + sum(lo)), what adding 128 to every key
- * code adds to a dot product. */
+/* The query for the integer dot-product paths, made once per call. AVX-512 VNNI: two int8 digits
+ * per element, head h's q ~ unit[h] * (128 * hi + lo), and offset[h] = 128 * (128 * sum(hi) +
+ * sum(lo)), what adding 128 to every key code adds to a dot product. AVX2: one int16 word per
+ * element, q ~ unit[h] * words (the bytes of hi and lo). */
 typedef struct {
     int8_t *hi, *lo; /* [heads][D] */
     int32_t *offset;
     float *unit;
+    int16_t *words; /* [heads][D], where hi and lo are */
 } Digits;
 
 typedef struct {
@@ -247,7 +249,8 @@ void attend_part_int8_dot(const Job *job, Part *part);
 #define LITEKV_AVX2 1
 int litekv_decode_avx2(void); /* this CPU takes the AVX2 path (and tests allow it) */
 int litekv_decode_avx2_allow(int allow);
-void attend_part_avx2(const Job *job, Part *part);
+void attend_part_avx2(const Job *job, Part *part); /* int8 codes as integers with Job.int8_dot */
+void avx2_query_words(const Job *job, Digits *out);
 #else
 #define LITEKV_AVX2 0
 #endif

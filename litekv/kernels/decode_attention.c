@@ -321,13 +321,13 @@ INLINE void part_any(const Job *job, Part *part) {
 
 VECTOR_CLONES static void attend_part(const Job *job, Part *part) {
 #if LITEKV_INT8_DOT
-    if (job->int8_dot) {
+    if (job->int8_dot && litekv_cpu_has_int8_dot()) {
         attend_part_int8_dot(job, part);
         return;
     }
 #endif
 #if LITEKV_AVX2
-    if (avx2_head_dim(job->head_dim) && litekv_decode_avx2()) {
+    if (avx2_head_dim(job->head_dim) && litekv_decode_avx2()) { /* with Job.int8_dot: integer dot products */
         attend_part_avx2(job, part);
         return;
     }
@@ -523,7 +523,10 @@ static void compute(State *st, Job *job, int lo, int hi, float *out) {
     }
 #if LITEKV_INT8_DOT
     if (job->int8_dot) {
-        int8_dot_digits(job, &st->digits);
+        if (litekv_cpu_has_int8_dot())
+            int8_dot_digits(job, &st->digits);
+        else
+            avx2_query_words(job, &st->digits);
         job->digits = &st->digits;
     }
 #endif
@@ -614,6 +617,15 @@ static Status compute_linear(State *st, LinearJob *job, const LentThreads *lent)
     return STATUS_OK;
 }
 
+#if LITEKV_INT8_DOT
+/* Whether int8 caches of this head_dim get integer dot products here: AVX-512 VNNI (whole 64-byte
+ * lines), else AVX2 (vpmaddwd, the AVX2 path's whole 32-dimension passes). */
+static int int8_cpu_dot(int head_dim) {
+    if (litekv_cpu_has_int8_dot()) return int8_dot_head_dim(head_dim);
+    return avx2_head_dim(head_dim) && litekv_decode_avx2();
+}
+#endif
+
 static State *state_create(int heads, int head_dim, int max_slots, int threads, int int8_dot) {
     State *st = calloc(1, sizeof(State));
     if (!st) return NULL;
@@ -625,7 +637,7 @@ static State *state_create(int heads, int head_dim, int max_slots, int threads, 
     const int smallest = CHUNK_SLOTS < FLOAT_CHUNK_SLOTS ? CHUNK_SLOTS : FLOAT_CHUNK_SLOTS;
     st->max_parts = (max_slots + smallest - 1) / smallest;
 #if LITEKV_INT8_DOT
-    st->int8_dot = int8_dot && int8_dot_head_dim(head_dim) && litekv_cpu_has_int8_dot();
+    st->int8_dot = int8_dot && int8_cpu_dot(head_dim);
 #else
     (void)int8_dot;
 #endif
@@ -650,7 +662,8 @@ static State *state_create(int heads, int head_dim, int max_slots, int threads, 
     if (st->int8_dot) {
         int8_t *bytes = st->digit_bytes;
         st->digits = (Digits){bytes, bytes + width, (int32_t *)(void *)(bytes + 2 * width),
-                              (float *)(void *)(bytes + 2 * width + sizeof(int32_t) * (size_t)heads)};
+                              (float *)(void *)(bytes + 2 * width + sizeof(int32_t) * (size_t)heads),
+                              (int16_t *)(void *)bytes};
     }
     pthread_mutex_init(&st->lock, NULL);
     pthread_cond_init(&st->wake, NULL);
@@ -994,10 +1007,11 @@ int litekv_linear_run(AttentionConfig *cfg, int format, const float *x, float *y
     return status == STATUS_OK ? compute_linear(cfg->state, &job, lent) : status;
 }
 
-/* Whether int8 caches get integer dot products on this CPU (AttentionConfig.int8_dot). */
+/* Whether int8 caches get integer dot products on this CPU (AttentionConfig.int8_dot): 2 with
+ * AVX-512 VNNI, 1 with AVX2's vpmaddwd (SmolLM2's head_dim of 64), else 0. */
 int litekv_attention_int8_dot(void) {
 #if LITEKV_INT8_DOT
-    return litekv_cpu_has_int8_dot();
+    return litekv_cpu_has_int8_dot() ? 2 : int8_cpu_dot(64);
 #else
     return 0;
 #endif

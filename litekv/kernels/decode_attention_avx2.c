@@ -14,6 +14,12 @@
  * int8 codes and float16 halves are widened in these loops (vpmovsxbd + vcvtdq2ps, vcvtph2ps),
  * with no pass through a buffer. With a scale per row (CACHE_I8_ROWS), a slot's dot product is
  * multiplied by its key row's scale and its softmax numerator by its value row's.
+ * With Job.int8_dot, int8 codes are multiplied as integers instead (INT8_WORDS): 16 codes widen to
+ * int16 words in one instruction and vpmaddwd takes 16 products where an FMA on widened floats
+ * takes 8. The query is rounded to int16 words per head and the softmax numerators to 15 bits, as
+ * the AVX-512 VNNI path does (attention_int8_dot.c). In the model at 2,048 slots an int4 SmolLM2
+ * step's attention took 6-10 % less time than with the codes widened (bench/PERFORMANCE.md,
+ * twenty-first round); on one thread with the cache in L2, 75 us per call instead of 94.
  * Passes take a tile of about 8 KB of rows at a time (each KV head's, each group of query heads'
  * in turn), so a tile's rows come from memory once and from L1 for the other passes. The part's
  * key rows, then its value rows, are prefetched as one stream, a tile ahead, spread evenly over the
@@ -31,6 +37,12 @@
 
 #define TARGET AVX2_TARGET
 #define KERNEL TARGET static inline __attribute__((always_inline))
+
+/* A fifth cache "type" within this file: int8 codes (CACHE_I8 or CACHE_I8_ROWS) multiplied as
+ * integers (Job.int8_dot), where the others widen them to floats. */
+#define INT8_WORDS 16
+
+KERNEL size_t element_bytes_of(int type) { return type == INT8_WORDS ? 1 : cache_element_bytes(type); }
 
 #ifndef AVX2_PREFETCH_BYTES
 #define AVX2_PREFETCH_BYTES 4096 /* how far the prefetches run ahead of the loads, at least a tile */
@@ -50,10 +62,11 @@ int litekv_decode_avx2(void) {
     return has && atomic_load_explicit(&avx2_allowed, memory_order_relaxed);
 }
 
-/* For tests: allow 0 sends decode attention to the portable path where the AVX2 path would run,
+/* For tests and benchmarks: allow 0 sends decode attention to the portable path where the AVX2
+ * path would run, 2 keeps the AVX2 path but widens int8 codes to floats even with Job.int8_dot,
  * 1 (the default) back. Returns whether the AVX2 path runs now. Not for use while calls run. */
 int litekv_decode_avx2_allow(int allow) {
-    atomic_store_explicit(&avx2_allowed, allow != 0, memory_order_relaxed);
+    atomic_store_explicit(&avx2_allowed, allow, memory_order_relaxed);
     return litekv_decode_avx2();
 }
 
@@ -115,6 +128,41 @@ KERNEL void dots(const void *keys, int type, size_t at, size_t row, int rows, co
 #pragma GCC unroll 3
     for (int g = 0; g < G; g++)
         sums[g] = S == 8 ? sum8x8(acc[g]) : _mm256_castps128_ps256(sum4x8(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+}
+
+/* dots() on int8 codes as integers: the query in int16 words (head g's at q + g * d, each head's
+ * unit applied by the caller), each 16-code piece of a key row widened to words once for the G
+ * heads and multiplied by vpmaddwd, which takes 16 products per instruction where a widened float
+ * FMA takes 8 (and the widening, 8 codes per instruction to floats, bound the float path). An int32
+ * lane sums d / 8 products of |code| <= 128 and |word| <= 32767: exact for head_dim up to 4,096.
+ * The sums end in dots()'s float tree, converted first (24 bits hold them to 1e-7). */
+KERNEL void dots_words(const int8_t *keys, size_t at, size_t row, int rows, const int16_t *q, int d, int G, int S,
+                       __m256 *sums) {
+    __m256i acc[3][8];
+    size_t k[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < S; r++) k[r] = at + (size_t)(r < rows ? r : 0) * row;
+#pragma GCC unroll 3
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 8
+        for (int r = 0; r < S; r++) acc[g][r] = _mm256_setzero_si256();
+    for (int c = 0; c < d; c += 16) {
+#pragma GCC unroll 8
+        for (int r = 0; r < S; r++) {
+            const __m256i key = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(keys + k[r] + c)));
+#pragma GCC unroll 3
+            for (int g = 0; g < G; g++) /* the query words as a memory operand: 12 sums + key + product */
+                acc[g][r] = _mm256_add_epi32(
+                    acc[g][r], _mm256_madd_epi16(key, _mm256_loadu_si256((const __m256i *)(q + (size_t)g * d + c))));
+        }
+    }
+#pragma GCC unroll 3
+    for (int g = 0; g < G; g++) {
+        __m256 f[8];
+#pragma GCC unroll 8
+        for (int r = 0; r < S; r++) f[r] = _mm256_cvtepi32_ps(acc[g][r]);
+        sums[g] = S == 8 ? sum8x8(f) : _mm256_castps128_ps256(sum4x8(f[0], f[1], f[2], f[3]));
+    }
 }
 
 /* Query heads scored (or weighed) together: 3 where it can (4 are 2 + 2: 12 sums in registers
@@ -196,12 +244,22 @@ KERNEL void score_tile(const Job *job, const Part *part, int type, int kv, int h
     const float *q = job->query + (size_t)h0 * d, *mask = job->mask + part->lo;
     const float *kscale = job->key_scales ? job->key_scales + (size_t)kv * job->scale_stride + part->lo : NULL;
     float *sc = job->scores + (size_t)h0 * stride + part->first;
+    const int16_t *words = type == INT8_WORDS ? job->digits->words + (size_t)h0 * d : NULL;
+    __m256 unit[3];
+#pragma GCC unroll 3
+    for (int g = 0; g < G; g++) unit[g] = _mm256_set1_ps(type == INT8_WORDS ? job->digits->unit[h0 + g] : 1.0f);
     const int end = t0 + rows;
     int i = t0;
     for (; i + S <= end; i += S) {
         share_step(st, sh);
         __m256 sums[3];
-        dots(job->keys, type, at + (size_t)i * row, row, S, q, d, G, S, sums);
+        if (type == INT8_WORDS)
+            dots_words(job->keys, at + (size_t)i * row, row, S, words, d, G, S, sums);
+        else
+            dots(job->keys, type, at + (size_t)i * row, row, S, q, d, G, S, sums);
+        if (type == INT8_WORDS)
+#pragma GCC unroll 3
+            for (int g = 0; g < G; g++) sums[g] = _mm256_mul_ps(sums[g], unit[g]);
         if (S == 4) {
             const __m128 m = _mm_loadu_ps(mask + i), scale = kscale ? _mm_loadu_ps(kscale + i) : _mm_set1_ps(1.0f);
 #pragma GCC unroll 3
@@ -217,9 +275,12 @@ KERNEL void score_tile(const Job *job, const Part *part, int type, int kv, int h
         share_step(st, sh);
         __m256 sums[3];
         float out[8];
-        dots(job->keys, type, at + (size_t)i * row, row, end - i, q, d, G, S, sums);
+        if (type == INT8_WORDS)
+            dots_words(job->keys, at + (size_t)i * row, row, end - i, words, d, G, S, sums);
+        else
+            dots(job->keys, type, at + (size_t)i * row, row, end - i, q, d, G, S, sums);
         for (int g = 0; g < G; g++) {
-            _mm256_storeu_ps(out, sums[g]);
+            _mm256_storeu_ps(out, type == INT8_WORDS ? _mm256_mul_ps(sums[g], unit[g]) : sums[g]);
             for (int r = 0; i + r < end; r++)
                 sc[g * stride + i + r] = out[r] * (kscale ? kscale[i + r] : 1.0f) + mask[i + r];
         }
@@ -228,8 +289,10 @@ KERNEL void score_tile(const Job *job, const Part *part, int type, int kv, int h
 
 /* score_tile for G query heads, in a function of its own (per cache type, as `type` is constant
  * where it is called): inlined into the loops over tiles and heads, GCC ran out of general
- * registers for the pointers and kept them on the stack. */
-TARGET static __attribute__((noinline)) void score_pass(const Job *job, const Part *part, int type, int kv, int h0,
+ * registers for the pointers and kept them on the stack. Without tree-PRE, as in
+ * attention_int8_dot.c: with it GCC 12 copied the integer sums to other registers and back every
+ * step (the integer passes took 10 % longer; the float ones the same either way). */
+TARGET static __attribute__((noinline, optimize("no-tree-pre"))) void score_pass(const Job *job, const Part *part, int type, int kv, int h0,
                                                         int G, int t0, int rows, Stream *st, Share *sh) {
     if (G == 3)
         score_tile(job, part, type, kv, h0, 3, 4, t0, rows, st, sh);
@@ -292,7 +355,7 @@ KERNEL float numerators(float *sc, const float *scale, int n, float *best) {
 KERNEL void weigh_tile(const Job *job, Part *part, int type, int kv, int h0, int G, int CB, int c0, int t0, int rows,
                        Stream *st, Share *sh) {
     const int d = job->head_dim;
-    const size_t element_bytes = cache_element_bytes(type), row_bytes = (size_t)job->row * element_bytes;
+    const size_t element_bytes = element_bytes_of(type), row_bytes = (size_t)job->row * element_bytes;
     const char *v = (const char *)job->values +
                     ((size_t)(part->lo + t0) * job->row + (size_t)kv * job->head_stride + (size_t)c0) * element_bytes;
     const float *w = job->scores + (size_t)h0 * job->stride + part->first + t0;
@@ -323,10 +386,77 @@ KERNEL void weigh_tile(const Job *job, Part *part, int type, int kv, int h0, int
         for (int c = 0; c < CB; c++) _mm256_storeu_ps(out + (size_t)g * d + 8 * c, acc[g][c]);
 }
 
+KERNEL int32_t numerator_pair(const int16_t *p) {
+    int32_t pair;
+    memcpy(&pair, p, sizeof pair);
+    return pair;
+}
+
+/* weigh_tile on int8 codes as integers, for dimensions c0..c0+31: the numerators are int16
+ * (part->numerators), and two slots' codes are widened to words and interleaved, 16 dimensions at a
+ * time, so int32 lane j of one vpmaddwd adds both slots' share of a dimension, the pair of
+ * numerators broadcast as one word. The G x 4 int32 sums stay in registers through the tile (at
+ * most 64 pairs; 256 pairs of |2 * 32767 * 128| fit) and are added to the float sums at its end. */
+KERNEL void weigh_tile_words(const Job *job, Part *part, int kv, int h0, int G, int c0, int t0, int rows,
+                             Stream *st, Share *sh) {
+    enum { CB = 2 }; /* 16-dimension blocks: 32 dimensions a pass, as weigh_tile's */
+    const int d = job->head_dim;
+    const size_t row = (size_t)job->row, numerator_stride = (size_t)part->numerator_stride;
+    const int8_t *v = (const int8_t *)job->values + (size_t)(part->lo + t0) * row + (size_t)kv * job->head_stride + c0;
+    const int16_t *w = part->numerators + (size_t)h0 * numerator_stride + t0;
+    __m256i acc[3][4];
+#pragma GCC unroll 3
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 4
+        for (int m = 0; m < 2 * CB; m++) acc[g][m] = _mm256_setzero_si256();
+    for (int i0 = 0; i0 < rows; i0 += 4) { /* the stream advances every 4 slots, as in weigh_tile */
+        share_step(st, sh);
+        const int end = rows - i0 < 4 ? rows : i0 + 4;
+        for (int i = i0; i < end; i += 2) {
+            /* an odd last slot pairs with itself, its partner's numerator 0 (numerators[n]) */
+            const int8_t *a = v + (size_t)i * row, *b = i + 1 < end ? a + row : a;
+            __m256i weight[3];
+#pragma GCC unroll 3
+            for (int g = 0; g < G; g++)
+                weight[g] = _mm256_set1_epi32(numerator_pair(w + (size_t)g * numerator_stride + i));
+#pragma GCC unroll 2
+            for (int cb = 0; cb < CB; cb++) {
+                const __m256i wa = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(a + 16 * cb)));
+                const __m256i wb = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 16 * cb)));
+                /* lane 4L + t: dimension 8L + t (unpacklo) or 8L + 4 + t (unpackhi), slots a and b */
+                const __m256i lo = _mm256_unpacklo_epi16(wa, wb), hi = _mm256_unpackhi_epi16(wa, wb);
+#pragma GCC unroll 3
+                for (int g = 0; g < G; g++) {
+                    acc[g][2 * cb] = _mm256_add_epi32(acc[g][2 * cb], _mm256_madd_epi16(lo, weight[g]));
+                    acc[g][2 * cb + 1] = _mm256_add_epi32(acc[g][2 * cb + 1], _mm256_madd_epi16(hi, weight[g]));
+                }
+            }
+        }
+    }
+#pragma GCC unroll 3
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 2
+        for (int cb = 0; cb < CB; cb++) {
+            float *out = part->acc + (size_t)(h0 + g) * d + c0 + 16 * cb;
+            __m256 low = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(acc[g][2 * cb], acc[g][2 * cb + 1], 0x20));
+            __m256 high = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(acc[g][2 * cb], acc[g][2 * cb + 1], 0x31));
+            if (t0) low = _mm256_add_ps(low, _mm256_loadu_ps(out)), high = _mm256_add_ps(high, _mm256_loadu_ps(out + 8));
+            _mm256_storeu_ps(out, low);
+            _mm256_storeu_ps(out + 8, high);
+        }
+}
+
 /* weigh_tile for G query heads over `width` dimensions, in a function of its own (score_pass). */
-TARGET static __attribute__((noinline)) void weigh_pass(const Job *job, Part *part, int type, int kv, int h0, int G,
+TARGET static __attribute__((noinline, optimize("no-tree-pre"))) void weigh_pass(const Job *job, Part *part, int type, int kv, int h0, int G,
                                                         int width, int c0, int t0, int rows, Stream *st, Share *sh) {
-    if (G == 3)
+    if (type == INT8_WORDS) {
+        if (G == 3)
+            weigh_tile_words(job, part, kv, h0, 3, c0, t0, rows, st, sh);
+        else if (G == 2)
+            weigh_tile_words(job, part, kv, h0, 2, c0, t0, rows, st, sh);
+        else
+            weigh_tile_words(job, part, kv, h0, 1, c0, t0, rows, st, sh);
+    } else if (G == 3)
         weigh_tile(job, part, type, kv, h0, 3, 4, c0, t0, rows, st, sh);
     else if (G == 2)
         weigh_tile(job, part, type, kv, h0, 2, 4, c0, t0, rows, st, sh);
@@ -341,7 +471,7 @@ TARGET static __attribute__((noinline)) void weigh_pass(const Job *job, Part *pa
  * allows). */
 KERNEL void weighted_values(const Job *job, Part *part, int type, Stream *st) {
     const int d = job->head_dim, group = job->heads / job->kv_heads, n = part->hi - part->lo + 1;
-    const int width = group == 1 && d % 64 == 0 ? 64 : 32, passes = job->kv_heads * head_passes(group) * (d / width);
+    const int width = group == 1 && d % 64 == 0 && type != INT8_WORDS ? 64 : 32, passes = job->kv_heads * head_passes(group) * (d / width);
     for (int t0 = 0; t0 < n; t0 += st->tile) {
         const int rows = n - t0 < st->tile ? n - t0 : st->tile;
         Share sh = share(st, n + t0, rows, passes * ((rows + 3) / 4));
@@ -355,19 +485,87 @@ KERNEL void weighted_values(const Job *job, Part *part, int type, Stream *st) {
     }
 }
 
+/* numerators() for the integer weighted values: a head's n masked scores (overwritten) made int16
+ * numerators in words, words[n] a 0 for an odd last slot's partner. Without row scales, e^(score - max)
+ * * 32767 rounded, and the sum returned is theirs, in the same units. With them, e^(score - max) *
+ * scale in units (*unit) of the head's largest such weight in the part, so the int16 range goes to
+ * the rows the head attends to, whatever the scales of rows it ignores; the sum is the e^ summed,
+ * and the caller brings the weighted values to its units. */
+KERNEL float numerators_words(float *sc, const float *scale, int n, float *best, int16_t *words, float *unit) {
+    const float one = 32767.0f;
+    float largest = 1.0f, total;
+    if (scale) {
+        total = numerators(sc, scale, n, best); /* sc: e^ x scale */
+        __m256 m = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(sc + i));
+        largest = horizontal_max(m);
+        for (; i < n; i++) largest = sc[i] > largest ? sc[i] : largest;
+    } else {
+        numerators(sc, NULL, n, best); /* sc: e^, at most 1 */
+    }
+    const float step = largest > 0.0f ? one / largest : 0.0f;
+    const __m256 step8 = _mm256_set1_ps(step);
+    __m256i sum = _mm256_setzero_si256();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(sc + i), step8));
+        sum = _mm256_add_epi32(sum, q);
+        _mm_storeu_si128((__m128i *)(words + i),
+                         _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)));
+    }
+    __m128i half = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4E));
+    int32_t count = _mm_cvtsi128_si32(_mm_add_epi32(half, _mm_shuffle_epi32(half, 0xB1)));
+    for (; i < n; i++) count += words[i] = (int16_t)__builtin_lrintf(sc[i] * step);
+    words[n] = 0;
+    *unit = largest / one;
+    return scale ? total : (float)count;
+}
+
 KERNEL void attend_typed(const Job *job, Part *part, int type) {
     const int n = part->hi - part->lo + 1, group = job->heads / job->kv_heads;
-    Stream st = stream(job, part, cache_element_bytes(type));
+    Stream st = stream(job, part, element_bytes_of(type));
     scores(job, part, type, &st);
+    float units[type == INT8_WORDS ? job->heads : 1]; /* per head, what a step of its integer sums is worth */
     for (int h = 0; h < job->heads; h++) {
         const float *scale = job->value_scales ? job->value_scales + (size_t)(h / group) * job->scale_stride + part->lo
                                                : NULL;
-        part->sum[h] = numerators(job->scores + (size_t)h * job->stride + part->first, scale, n, &part->max[h]);
+        float *sc = job->scores + (size_t)h * job->stride + part->first;
+        if (type == INT8_WORDS)
+            part->sum[h] = numerators_words(sc, scale, n, &part->max[h],
+                                            part->numerators + (size_t)h * part->numerator_stride, &units[h]);
+        else
+            part->sum[h] = numerators(sc, scale, n, &part->max[h]);
     }
     weighted_values(job, part, type, &st);
+    if (type == INT8_WORDS && job->value_scales) {
+        const int d = job->head_dim;
+        for (int h = 0; h < job->heads; h++)
+            for (int j = 0; j < d; j++) part->acc[(size_t)h * d + j] *= units[h];
+    }
+}
+
+/* The query in int16 words for the integer path: head h's q ~ unit[h] * words[h], its largest
+ * element 32767. */
+TARGET void avx2_query_words(const Job *job, Digits *out) {
+    const int d = job->head_dim;
+    for (int h = 0; h < job->heads; h++) {
+        const float *q = job->query + (size_t)h * d;
+        int16_t *words = out->words + (size_t)h * d;
+        float top = 0.0f;
+        for (int j = 0; j < d; j++) top = __builtin_fabsf(q[j]) > top ? __builtin_fabsf(q[j]) : top;
+        const float step = top > 0.0f ? 32767.0f / top : 0.0f;
+        for (int j = 0; j < d; j++) words[j] = (int16_t)__builtin_lrintf(q[j] * step);
+        out->unit[h] = top / 32767.0f;
+    }
 }
 
 TARGET void attend_part_avx2(const Job *job, Part *part) {
+    if (job->int8_dot && int8_codes(job->cache_type) && atomic_load_explicit(&avx2_allowed, memory_order_relaxed) == 1) {
+        attend_typed(job, part, INT8_WORDS);
+        return;
+    }
     switch (job->cache_type) {
     case CACHE_F32: attend_typed(job, part, CACHE_F32); break;
     case CACHE_F16: attend_typed(job, part, CACHE_F16); break;
