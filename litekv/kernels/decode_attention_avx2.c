@@ -235,9 +235,10 @@ KERNEL void share_step(Stream *st, Share *sh) {
 }
 
 /* The masked scores of slots t0..t0+rows-1 of the part (counted from part->lo) for query heads
- * h0..h0+G-1 of KV head kv, S slots at a time. */
+ * h0..h0+G-1 of KV head kv, S slots at a time. tops[8 h + lane] keeps head h's largest score so far
+ * in that lane (the first S lanes), so the softmax needs no pass of its own to find the maximum. */
 KERNEL void score_tile(const Job *job, const Part *part, int type, int kv, int h0, int G, int S, int t0, int rows,
-                       Stream *st, Share *sh) {
+                       Stream *st, Share *sh, float *tops) {
     const int d = job->head_dim;
     const size_t row = (size_t)job->row, at = (size_t)part->lo * row + (size_t)kv * job->head_stride;
     const size_t stride = (size_t)job->stride;
@@ -248,6 +249,9 @@ KERNEL void score_tile(const Job *job, const Part *part, int type, int kv, int h
     __m256 unit[3];
 #pragma GCC unroll 3
     for (int g = 0; g < G; g++) unit[g] = _mm256_set1_ps(type == INT8_WORDS ? job->digits->unit[h0 + g] : 1.0f);
+    __m256 top[3];
+#pragma GCC unroll 3
+    for (int g = 0; g < G; g++) top[g] = _mm256_loadu_ps(tops + 8 * (h0 + g));
     const int end = t0 + rows;
     int i = t0;
     for (; i + S <= end; i += S) {
@@ -263,14 +267,23 @@ KERNEL void score_tile(const Job *job, const Part *part, int type, int kv, int h
         if (S == 4) {
             const __m128 m = _mm_loadu_ps(mask + i), scale = kscale ? _mm_loadu_ps(kscale + i) : _mm_set1_ps(1.0f);
 #pragma GCC unroll 3
-            for (int g = 0; g < G; g++)
-                _mm_storeu_ps(sc + g * stride + i, _mm_fmadd_ps(_mm256_castps256_ps128(sums[g]), scale, m));
+            for (int g = 0; g < G; g++) {
+                const __m128 score = _mm_fmadd_ps(_mm256_castps256_ps128(sums[g]), scale, m);
+                _mm_storeu_ps(sc + g * stride + i, score);
+                top[g] = _mm256_insertf128_ps(top[g], _mm_max_ps(_mm256_castps256_ps128(top[g]), score), 0);
+            }
         } else {
             const __m256 m = _mm256_loadu_ps(mask + i), scale = kscale ? _mm256_loadu_ps(kscale + i) : _mm256_set1_ps(1.0f);
 #pragma GCC unroll 3
-            for (int g = 0; g < G; g++) _mm256_storeu_ps(sc + g * stride + i, _mm256_fmadd_ps(sums[g], scale, m));
+            for (int g = 0; g < G; g++) {
+                const __m256 score = _mm256_fmadd_ps(sums[g], scale, m);
+                _mm256_storeu_ps(sc + g * stride + i, score);
+                top[g] = _mm256_max_ps(top[g], score);
+            }
         }
     }
+#pragma GCC unroll 3
+    for (int g = 0; g < G; g++) _mm256_storeu_ps(tops + 8 * (h0 + g), top[g]);
     if (i < end) { /* the part's last rows: fewer than S */
         share_step(st, sh);
         __m256 sums[3];
@@ -281,8 +294,11 @@ KERNEL void score_tile(const Job *job, const Part *part, int type, int kv, int h
             dots(job->keys, type, at + (size_t)i * row, row, end - i, q, d, G, S, sums);
         for (int g = 0; g < G; g++) {
             _mm256_storeu_ps(out, type == INT8_WORDS ? _mm256_mul_ps(sums[g], unit[g]) : sums[g]);
-            for (int r = 0; i + r < end; r++)
-                sc[g * stride + i + r] = out[r] * (kscale ? kscale[i + r] : 1.0f) + mask[i + r];
+            for (int r = 0; i + r < end; r++) {
+                const float score = out[r] * (kscale ? kscale[i + r] : 1.0f) + mask[i + r];
+                sc[g * stride + i + r] = score;
+                tops[8 * (h0 + g) + r] = score > tops[8 * (h0 + g) + r] ? score : tops[8 * (h0 + g) + r];
+            }
         }
     }
 }
@@ -293,19 +309,19 @@ KERNEL void score_tile(const Job *job, const Part *part, int type, int kv, int h
  * attention_int8_dot.c: with it GCC 12 copied the integer sums to other registers and back every
  * step (the integer passes took 10 % longer; the float ones the same either way). */
 TARGET static __attribute__((noinline, optimize("no-tree-pre"))) void score_pass(const Job *job, const Part *part, int type, int kv, int h0,
-                                                        int G, int t0, int rows, Stream *st, Share *sh) {
+                                                        int G, int t0, int rows, Stream *st, Share *sh, float *tops) {
     if (G == 3)
-        score_tile(job, part, type, kv, h0, 3, 4, t0, rows, st, sh);
+        score_tile(job, part, type, kv, h0, 3, 4, t0, rows, st, sh, tops);
     else if (G == 2)
-        score_tile(job, part, type, kv, h0, 2, 4, t0, rows, st, sh);
+        score_tile(job, part, type, kv, h0, 2, 4, t0, rows, st, sh, tops);
     else
-        score_tile(job, part, type, kv, h0, 1, 8, t0, rows, st, sh);
+        score_tile(job, part, type, kv, h0, 1, 8, t0, rows, st, sh, tops);
 }
 
 /* The masked scores of slots part->lo..hi for every head, into job->scores, a tile of slots
  * at a time: per KV head, its query heads 3 (or 2) at a time over 4 slots, or one over 8 (a
  * group of one). */
-KERNEL void scores(const Job *job, const Part *part, int type, Stream *st) {
+KERNEL void scores(const Job *job, const Part *part, int type, Stream *st, float *tops) {
     const int group = job->heads / job->kv_heads, n = part->hi - part->lo + 1, S = group == 1 ? 8 : 4;
     const int passes = job->kv_heads * head_passes(group);
     stream_to(st, st->lead); /* the first rows: the part's loads wait for these */
@@ -315,26 +331,19 @@ KERNEL void scores(const Job *job, const Part *part, int type, Stream *st) {
         for (int kv = 0; kv < job->kv_heads; kv++)
             for (int g0 = 0; g0 < group;) {
                 const int G = heads_at_once(group - g0), h0 = kv * group + g0;
-                score_pass(job, part, type, kv, h0, G, t0, rows, st, &sh);
+                score_pass(job, part, type, kv, h0, G, t0, rows, st, &sh, tops);
                 g0 += G;
             }
     }
 }
 
-/* A head's n masked scores replaced by e^(score - max), times the value rows' scales if given
- * (scale[i]: slot i's); returns the sum of the e^ (unscaled), the max in *best. */
-KERNEL float numerators(float *sc, const float *scale, int n, float *best) {
-    int i = 0;
-    float top = sc[0];
-    if (n >= 8) {
-        __m256 m = _mm256_loadu_ps(sc);
-        for (i = 8; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(sc + i));
-        top = horizontal_max(m);
-    }
-    for (; i < n; i++) top = sc[i] > top ? sc[i] : top;
+/* A head's n masked scores replaced by e^(score - top), top their maximum, times the value rows'
+ * scales if given (scale[i]: slot i's); returns the sum of the e^ (unscaled). */
+KERNEL float numerators(float *sc, const float *scale, int n, float top) {
     __m256 total = _mm256_setzero_ps();
     const __m256 top8 = _mm256_set1_ps(top);
-    for (i = 0; i + 8 <= n; i += 8) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
         const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(sc + i), top8));
         total = _mm256_add_ps(total, e);
         _mm256_storeu_ps(sc + i, scale ? _mm256_mul_ps(e, _mm256_loadu_ps(scale + i)) : e);
@@ -345,7 +354,6 @@ KERNEL float numerators(float *sc, const float *scale, int n, float *best) {
         sum += e;
         sc[i] = scale ? e * scale[i] : e;
     }
-    *best = top;
     return sum;
 }
 
@@ -485,31 +493,30 @@ KERNEL void weighted_values(const Job *job, Part *part, int type, Stream *st) {
     }
 }
 
-/* numerators() for the integer weighted values: a head's n masked scores (overwritten) made int16
- * numerators in words, words[n] a 0 for an odd last slot's partner. Without row scales, e^(score - max)
- * * 32767 rounded, and the sum returned is theirs, in the same units. With them, e^(score - max) *
- * scale in units (*unit) of the head's largest such weight in the part, so the int16 range goes to
- * the rows the head attends to, whatever the scales of rows it ignores; the sum is the e^ summed,
- * and the caller brings the weighted values to its units. */
-KERNEL float numerators_words(float *sc, const float *scale, int n, float *best, int16_t *words, float *unit) {
+/* numerators() for the integer weighted values: a head's n masked scores made int16 numerators in
+ * words, words[n] a 0 for an odd last slot's partner. Without row scales, e^(score - top) * 32767
+ * rounded, in one pass, and the sum returned is theirs, in the same units. With them, e^(score -
+ * top) * scale in units (*unit) of the head's largest such weight in the part, so the int16 range
+ * goes to the rows the head attends to, whatever the scales of rows it ignores; the sum is the e^
+ * summed, and the caller brings the weighted values to its units. `sc` may be overwritten. */
+KERNEL float numerators_words(float *sc, const float *scale, int n, float top, int16_t *words, float *unit) {
     const float one = 32767.0f;
-    float largest = 1.0f, total;
+    float largest = 1.0f, total = 0.0f;
     if (scale) {
-        total = numerators(sc, scale, n, best); /* sc: e^ x scale */
+        total = numerators(sc, scale, n, top); /* sc: e^ x scale */
         __m256 m = _mm256_setzero_ps();
         int i = 0;
         for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(sc + i));
         largest = horizontal_max(m);
         for (; i < n; i++) largest = sc[i] > largest ? sc[i] : largest;
-    } else {
-        numerators(sc, NULL, n, best); /* sc: e^, at most 1 */
     }
     const float step = largest > 0.0f ? one / largest : 0.0f;
-    const __m256 step8 = _mm256_set1_ps(step);
+    const __m256 step8 = _mm256_set1_ps(step), top8 = _mm256_set1_ps(top);
     __m256i sum = _mm256_setzero_si256();
     int i = 0;
     for (; i + 8 <= n; i += 8) {
-        const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(sc + i), step8));
+        const __m256 x = _mm256_loadu_ps(sc + i), weight = scale ? x : exp_nonpositive8(_mm256_sub_ps(x, top8));
+        const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(weight, step8));
         sum = _mm256_add_epi32(sum, q);
         _mm_storeu_si128((__m128i *)(words + i),
                          _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)));
@@ -517,7 +524,7 @@ KERNEL float numerators_words(float *sc, const float *scale, int n, float *best,
     __m128i half = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
     half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4E));
     int32_t count = _mm_cvtsi128_si32(_mm_add_epi32(half, _mm_shuffle_epi32(half, 0xB1)));
-    for (; i < n; i++) count += words[i] = (int16_t)__builtin_lrintf(sc[i] * step);
+    for (; i < n; i++) count += words[i] = (int16_t)__builtin_lrintf((scale ? sc[i] : exp_nonpositive(sc[i] - top)) * step);
     words[n] = 0;
     *unit = largest / one;
     return scale ? total : (float)count;
@@ -526,17 +533,20 @@ KERNEL float numerators_words(float *sc, const float *scale, int n, float *best,
 KERNEL void attend_typed(const Job *job, Part *part, int type) {
     const int n = part->hi - part->lo + 1, group = job->heads / job->kv_heads;
     Stream st = stream(job, part, element_bytes_of(type));
-    scores(job, part, type, &st);
+    float tops[8 * job->heads]; /* per head, its largest score so far in each lane */
+    for (int i = 0; i < 8 * job->heads; i++) tops[i] = -__builtin_inff();
+    scores(job, part, type, &st, tops);
     float units[type == INT8_WORDS ? job->heads : 1]; /* per head, what a step of its integer sums is worth */
     for (int h = 0; h < job->heads; h++) {
         const float *scale = job->value_scales ? job->value_scales + (size_t)(h / group) * job->scale_stride + part->lo
                                                : NULL;
         float *sc = job->scores + (size_t)h * job->stride + part->first;
+        const float top = part->max[h] = horizontal_max(_mm256_loadu_ps(tops + 8 * h));
         if (type == INT8_WORDS)
-            part->sum[h] = numerators_words(sc, scale, n, &part->max[h],
-                                            part->numerators + (size_t)h * part->numerator_stride, &units[h]);
+            part->sum[h] = numerators_words(sc, scale, n, top, part->numerators + (size_t)h * part->numerator_stride,
+                                            &units[h]);
         else
-            part->sum[h] = numerators(sc, scale, n, &part->max[h]);
+            part->sum[h] = numerators(sc, scale, n, top);
     }
     weighted_values(job, part, type, &st);
     if (type == INT8_WORDS && job->value_scales) {
