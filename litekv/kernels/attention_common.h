@@ -158,7 +158,7 @@ typedef struct {
     const void *keys, *values;          /* elements of `cache_type` */
     const float *key_scales, *value_scales; /* CACHE_I8_ROWS: [KVH][scale_stride] row scales; else NULL */
     int scale_stride;                   /* the cache's slots */
-    int cache_type, int8_dot;           /* int8_dot: integer dot products on int8 codes, if the CPU has them */
+    int cache_type, int8_dot;           /* int8_dot: an Int8Dot path for int8 codes (INT8_DOT_NONE: widened) */
     int heads, kv_heads, head_dim, row; /* row: elements from one slot to the next */
     float *scores;                      /* [heads][stride]: column i is slot lo + i */
     int stride;
@@ -228,6 +228,16 @@ void prefill_task(const PrefillJob *job, int task, float *scratch);
 #ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 2 /* into L2, which takes more misses in flight than L1 */
 #endif
+
+/* How int8 codes are multiplied as integers (Job.int8_dot, decided once per state): AVX-512 VNNI's
+ * vpdpbusd (attention_int8_dot.c), AVX2's vpmaddwd (decode_attention_avx2.c), or not at all. */
+typedef enum { INT8_DOT_NONE = 0, INT8_DOT_AVX2 = 1, INT8_DOT_VNNI = 2 } Int8Dot;
+
+/* Head h's weighted values times units[h]: integer sums brought to the units of the float ones. */
+INLINE void scale_heads(float *acc, const float *units, int heads, int d) {
+    for (int h = 0; h < heads; h++)
+        for (int j = 0; j < d; j++) acc[(size_t)h * d + j] *= units[h];
+}
 
 /* AVX-512 VNNI integer dot products for int8 caches (attention_int8_dot.c), on x86-64 CPUs that
  * have them: the part the float path would compute, with acc and sum in other units (their ratio

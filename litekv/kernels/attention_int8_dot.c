@@ -283,11 +283,7 @@ TARGET void attend_part_int8_dot(const Job *job, Part *part) {
         part->max[h] = top;
     }
     weighted_values(job, part);
-    if (job->value_scales) {
-        const int d = job->head_dim;
-        for (int h = 0; h < heads; h++)
-            for (int j = 0; j < d; j++) part->acc[(size_t)h * d + j] *= units[h];
-    }
+    if (job->value_scales) scale_heads(part->acc, units, heads, job->head_dim);
 }
 
 #endif

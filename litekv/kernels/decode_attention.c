@@ -97,7 +97,7 @@ typedef struct {
     int8_t *digit_bytes;   /* [2][heads * D] behind `digits` */
     Digits digits;
     Part *parts;           /* [max_parts] */
-    int max_slots, max_parts, int8_dot;
+    int max_slots, max_parts, int8_dot; /* int8_dot: an Int8Dot */
     int vector_linears; /* the linears' vector path: allowed (AttentionConfig.int8_dot) and on this CPU */
     pthread_t helper;
     pthread_mutex_t lock;
@@ -321,7 +321,7 @@ INLINE void part_any(const Job *job, Part *part) {
 
 VECTOR_CLONES static void attend_part(const Job *job, Part *part) {
 #if LITEKV_INT8_DOT
-    if (job->int8_dot && litekv_cpu_has_int8_dot()) {
+    if (job->int8_dot == INT8_DOT_VNNI) {
         attend_part_int8_dot(job, part);
         return;
     }
@@ -523,7 +523,7 @@ static void compute(State *st, Job *job, int lo, int hi, float *out) {
     }
 #if LITEKV_INT8_DOT
     if (job->int8_dot) {
-        if (litekv_cpu_has_int8_dot())
+        if (job->int8_dot == INT8_DOT_VNNI)
             int8_dot_digits(job, &st->digits);
         else
             avx2_query_words(job, &st->digits);
@@ -626,11 +626,11 @@ static Status compute_linear(State *st, LinearJob *job, const LentThreads *lent)
 }
 
 #if LITEKV_INT8_DOT
-/* Whether int8 caches of this head_dim get integer dot products here: AVX-512 VNNI (whole 64-byte
+/* How int8 caches of this head_dim are multiplied as integers here: AVX-512 VNNI (whole 64-byte
  * lines), else AVX2 (vpmaddwd, the AVX2 path's whole 32-dimension passes). */
-static int int8_cpu_dot(int head_dim) {
-    if (litekv_cpu_has_int8_dot()) return int8_dot_head_dim(head_dim);
-    return avx2_head_dim(head_dim) && litekv_decode_avx2();
+static Int8Dot int8_cpu_dot(int head_dim) {
+    if (litekv_cpu_has_int8_dot()) return int8_dot_head_dim(head_dim) ? INT8_DOT_VNNI : INT8_DOT_NONE;
+    return avx2_head_dim(head_dim) && litekv_decode_avx2() ? INT8_DOT_AVX2 : INT8_DOT_NONE;
 }
 #endif
 
@@ -645,7 +645,7 @@ static State *state_create(int heads, int head_dim, int max_slots, int threads, 
     const int smallest = CHUNK_SLOTS < FLOAT_CHUNK_SLOTS ? CHUNK_SLOTS : FLOAT_CHUNK_SLOTS;
     st->max_parts = (max_slots + smallest - 1) / smallest;
 #if LITEKV_INT8_DOT
-    st->int8_dot = int8_dot && int8_cpu_dot(head_dim);
+    st->int8_dot = int8_dot ? int8_cpu_dot(head_dim) : INT8_DOT_NONE;
 #else
     (void)int8_dot;
 #endif
@@ -738,7 +738,7 @@ static Status make_job(Job *job, const float *q, size_t nq, const void *k, size_
     if (heads == 0 || kv_heads == 0 || heads % kv_heads) return STATUS_INVALID_ARGUMENT;
     const int rows = cache_type == CACHE_I8_ROWS; /* a scale per slot and KV head, for keys and values */
     if (rows != (ks && vs) || (rows && n_scales != slots * (size_t)kv_heads)) return STATUS_INVALID_ARGUMENT;
-    *job = (Job){q, m, k, v, ks, vs, (int)slots, cache_type, int8_codes(cache_type) && st->int8_dot, heads, kv_heads,
+    *job = (Job){q, m, k, v, ks, vs, (int)slots, cache_type, int8_codes(cache_type) ? st->int8_dot : 0, heads, kv_heads,
                  head_dim, kv_heads * head_dim, st->scores, st->max_slots, NULL, (size_t)head_dim};
     return STATUS_OK;
 }
@@ -1019,7 +1019,7 @@ int litekv_linear_run(AttentionConfig *cfg, int format, const float *x, float *y
  * AVX-512 VNNI, 1 with AVX2's vpmaddwd (SmolLM2's head_dim of 64), else 0. */
 int litekv_attention_int8_dot(void) {
 #if LITEKV_INT8_DOT
-    return litekv_cpu_has_int8_dot() ? 2 : int8_cpu_dot(64);
+    return (int)int8_cpu_dot(64);
 #else
     return 0;
 #endif
@@ -1097,7 +1097,7 @@ int litekv_attention_head_major(AttentionConfig *cfg, const float *query, const 
     if (slots > st->max_slots) return STATUS_INVALID_ARGUMENT; /* the scores' scratch and the zero mask */
     const int d = cfg->head_dim;
     Job job = {query, st->zero_mask, keys, values, NULL, NULL, slots, cache_type,
-               cache_type == CACHE_I8 && st->int8_dot, heads, kv_heads, d, d, st->scores, st->max_slots, NULL,
+               cache_type == CACHE_I8 ? st->int8_dot : 0, heads, kv_heads, d, d, st->scores, st->max_slots, NULL,
                (size_t)slots * d};
     st->lent = lent;
     attend_span(st, &job, lo, hi, out);

@@ -98,6 +98,18 @@ KERNEL __m256 sum8x8(const __m256 *a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
 }
 
+/* The first element of each of S key rows from element at, `row` apart; rows r >= `rows` are the
+ * first again (dots' and dots_words' last block of a part). */
+KERNEL void row_starts(size_t *k, size_t at, size_t row, int rows, int S) {
+#pragma GCC unroll 8
+    for (int r = 0; r < S; r++) k[r] = at + (size_t)(r < rows ? r : 0) * row;
+}
+
+/* Lane r (of the low 4 for S 4): the sum of the 8 lanes of a[r]. */
+KERNEL __m256 row_sums(const __m256 *a, int S) {
+    return S == 8 ? sum8x8(a) : _mm256_castps128_ps256(sum4x8(a[0], a[1], a[2], a[3]));
+}
+
 /* The dot products of S key rows (row r from element at + r * row; rows r >= `rows` are the first
  * again) with G query heads' rows (head g at q + g * d): lane r of sums[g] (of its low 4 for S 4).
  * S x G sums stay in registers (12 for 4 x 3), each 8-element piece of a key row widened once for
@@ -106,8 +118,7 @@ KERNEL void dots(const void *keys, int type, size_t at, size_t row, int rows, co
                  __m256 *sums) {
     __m256 acc[3][8];
     size_t k[8];
-#pragma GCC unroll 8
-    for (int r = 0; r < S; r++) k[r] = at + (size_t)(r < rows ? r : 0) * row;
+    row_starts(k, at, row, rows, S);
 #pragma GCC unroll 3
     for (int g = 0; g < G; g++)
 #pragma GCC unroll 8
@@ -126,8 +137,7 @@ KERNEL void dots(const void *keys, int type, size_t at, size_t row, int rows, co
         }
     }
 #pragma GCC unroll 3
-    for (int g = 0; g < G; g++)
-        sums[g] = S == 8 ? sum8x8(acc[g]) : _mm256_castps128_ps256(sum4x8(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+    for (int g = 0; g < G; g++) sums[g] = row_sums(acc[g], S);
 }
 
 /* dots() on int8 codes as integers: the query in int16 words (head g's at q + g * d, each head's
@@ -140,8 +150,7 @@ KERNEL void dots_words(const int8_t *keys, size_t at, size_t row, int rows, cons
                        __m256 *sums) {
     __m256i acc[3][8];
     size_t k[8];
-#pragma GCC unroll 8
-    for (int r = 0; r < S; r++) k[r] = at + (size_t)(r < rows ? r : 0) * row;
+    row_starts(k, at, row, rows, S);
 #pragma GCC unroll 3
     for (int g = 0; g < G; g++)
 #pragma GCC unroll 8
@@ -161,7 +170,7 @@ KERNEL void dots_words(const int8_t *keys, size_t at, size_t row, int rows, cons
         __m256 f[8];
 #pragma GCC unroll 8
         for (int r = 0; r < S; r++) f[r] = _mm256_cvtepi32_ps(acc[g][r]);
-        sums[g] = S == 8 ? sum8x8(f) : _mm256_castps128_ps256(sum4x8(f[0], f[1], f[2], f[3]));
+        sums[g] = row_sums(f, S);
     }
 }
 
@@ -505,12 +514,8 @@ KERNEL float numerators_words(float *sc, const float *scale, int n, float top, i
     const float one = 32767.0f;
     float largest = 1.0f, total = 0.0f;
     if (scale) {
-        total = numerators(sc, scale, n, top); /* sc: e^ x scale */
-        __m256 m = _mm256_setzero_ps();
-        int i = 0;
-        for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(sc + i));
-        largest = horizontal_max(m);
-        for (; i < n; i++) largest = sc[i] > largest ? sc[i] : largest;
+        total = numerators(sc, scale, n, top); /* sc: e^ x scale, at least 0 */
+        largest = max_of(sc, n);
     }
     const float step = largest > 0.0f ? one / largest : 0.0f;
     const __m256 step8 = _mm256_set1_ps(step), top8 = _mm256_set1_ps(top);
@@ -552,11 +557,7 @@ KERNEL void attend_typed(const Job *job, Part *part, int type) {
             part->sum[h] = numerators(sc, scale, n, top);
     }
     weighted_values(job, part, type, &st);
-    if (type == INT8_WORDS && job->value_scales) {
-        const int d = job->head_dim;
-        for (int h = 0; h < job->heads; h++)
-            for (int j = 0; j < d; j++) part->acc[(size_t)h * d + j] *= units[h];
-    }
+    if (type == INT8_WORDS && job->value_scales) scale_heads(part->acc, units, job->heads, job->head_dim);
 }
 
 /* The query in int16 words for the integer path: head h's q ~ unit[h] * words[h], its largest
