@@ -118,11 +118,11 @@ int main(int argc, char **argv) {
         for (size_t l = first; l < first + (size_t)layers; l++) sink += read_all(keys[l], bytes) + read_all(values[l], bytes);
         reading = best_of(reading, start);
     }
-    const int int8_dot = type == CACHE_I8 && ((State *)cfg.state)->int8_dot;
+    const int int8_dot = type == CACHE_I8 ? ((State *)cfg.state)->int8_dot : INT8_DOT_NONE; /* an Int8Dot */
     litekv_attention_release(&cfg);
     double vnni = 0.0;
 #if LITEKV_INT8_DOT
-    if (int8_dot) vnni = vnni_per_second();
+    if (int8_dot == INT8_DOT_VNNI) vnni = vnni_per_second(); /* AVX2's integer path has no VNNI to count */
 #endif
     printf("{\"heads\": %d, \"head_dim\": %d, \"slots\": %d, \"threads\": %d, \"sets\": %d, \"layers\": %d, "
            "\"cache\": \"%s\", \"int8_dot\": %d, \"kernel_ms\": %.4f, "

@@ -25,6 +25,7 @@ from common import compile_c, markdown_table, save
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = Path(__file__).with_name("kernel_cache_levels.c")
 DRIVER_CACHE_ARGUMENT = {"int8": [], "float32": ["float"], "float16": ["f16"]}
+DOT_PATHS = {0: "no", 1: "AVX2 vpmaddwd", 2: "AVX-512 VNNI"}  # attention_common.h's Int8Dot
 LEVELS = (("L2 (one layer repeated)", 1, 1, 3000), ("L3 (30 layers)", 1, 30, 200), ("memory (8 × 30 layers)", 8, 30, 200))
 
 
@@ -58,7 +59,7 @@ def main() -> None:
         per_call = statistics.median(r["kernel_ms"] for r in got) * 1e3 / layers
         read = statistics.median(r["read_ms"] for r in got) * 1e3 / layers
         rows.append([name, threads, f"{per_call:.1f}", f"{read:.1f}" if threads == 1 else "",
-                     "yes" if got[0]["int8_dot"] else "no"])
+                     DOT_PATHS[got[0]["int8_dot"]]])
         results.append({"level": name, "threads": threads, "kernel_us_per_call": per_call,
                         "one_core_read_us_per_call": read, "runs": got})
     # The integer path issues slots x heads x head_dim / 16 512-bit dot-product instructions per call:

@@ -19,7 +19,12 @@
  * takes 8. The query is rounded to int16 words per head and the softmax numerators to 15 bits, as
  * the AVX-512 VNNI path does (attention_int8_dot.c). In the model at 2,048 slots an int4 SmolLM2
  * step's attention took 6-10 % less time than with the codes widened (bench/PERFORMANCE.md,
- * twenty-first round); on one thread with the cache in L2, 75 us per call instead of 94.
+ * twenty-first round); on one thread with the cache in L2, 75 us per call instead of 94. The
+ * twenty-second round (bench/kernel_cache_levels.py) took that to 68 us: the integer tree, the key
+ * rows' FMA and the softmax's exponent folded into one FMA each, and two loops in asm where GCC
+ * spilled sums. The floor at that shape: 7.6 cycles per 4 slots x 16 dimensions for the score loop
+ * and 9 per 2 slots x 32 for the value loop on their own, about 18 cycles per slot and KV head in
+ * all, against 35 measured (the rest: the trees, the softmax and the passes' overhead).
  * Passes take a tile of about 8 KB of rows at a time (each KV head's, each group of query heads'
  * in turn), so a tile's rows come from memory once and from L1 for the other passes. The part's
  * key rows, then its value rows, are prefetched as one stream, a tile ahead, spread evenly over the
@@ -140,12 +145,29 @@ KERNEL void dots(const void *keys, int type, size_t at, size_t row, int rows, co
     for (int g = 0; g < G; g++) sums[g] = row_sums(acc[g], S);
 }
 
+/* vpmaddwd with b from memory, in asm so the compiler cannot hoist the load: loaded once for a
+ * loop's S rows, the G query pieces took 3 registers and one of 12 sums lived on the stack. */
+KERNEL __m256i madd_from_memory(__m256i a, const int16_t *b) {
+    __m256i product;
+    __asm__("vpmaddwd %2, %1, %0" : "=x"(product) : "x"(a), "m"(*(const __m256i *)b));
+    return product;
+}
+
+/* Lane r of the low 4 (S 4, integer sums): the sum of the 8 int32 lanes of a[r]. */
+KERNEL __m128i int_sum4x8(__m256i a0, __m256i a1, __m256i a2, __m256i a3) {
+    const __m256i t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(a0, a1), _mm256_unpackhi_epi32(a0, a1));
+    const __m256i t1 = _mm256_add_epi32(_mm256_unpacklo_epi32(a2, a3), _mm256_unpackhi_epi32(a2, a3));
+    const __m256i s = _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1));
+    return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+}
+
 /* dots() on int8 codes as integers: the query in int16 words (head g's at q + g * d, each head's
  * unit applied by the caller), each 16-code piece of a key row widened to words once for the G
  * heads and multiplied by vpmaddwd, which takes 16 products per instruction where a widened float
  * FMA takes 8 (and the widening, 8 codes per instruction to floats, bound the float path). An int32
  * lane sums d / 8 products of |code| <= 128 and |word| <= 32767: exact for head_dim up to 4,096.
- * The sums end in dots()'s float tree, converted first (24 bits hold them to 1e-7). */
+ * 4 rows' sums end in int_sum4x8's integer tree and one conversion; 8 rows' in dots()'s float tree,
+ * converted first (24 bits hold them to 1e-7). */
 KERNEL void dots_words(const int8_t *keys, size_t at, size_t row, int rows, const int16_t *q, int d, int G, int S,
                        __m256 *sums) {
     __m256i acc[3][8];
@@ -160,13 +182,17 @@ KERNEL void dots_words(const int8_t *keys, size_t at, size_t row, int rows, cons
         for (int r = 0; r < S; r++) {
             const __m256i key = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(keys + k[r] + c)));
 #pragma GCC unroll 3
-            for (int g = 0; g < G; g++) /* the query words as a memory operand: 12 sums + key + product */
-                acc[g][r] = _mm256_add_epi32(
-                    acc[g][r], _mm256_madd_epi16(key, _mm256_loadu_si256((const __m256i *)(q + (size_t)g * d + c))));
+            for (int g = 0; g < G; g++) /* 12 sums + key + product */
+                acc[g][r] = _mm256_add_epi32(acc[g][r], madd_from_memory(key, q + (size_t)g * d + c));
         }
     }
 #pragma GCC unroll 3
     for (int g = 0; g < G; g++) {
+        if (S == 4) { /* the tree in integers: vpaddd on 4 pipes, one conversion */
+            const __m128i total = int_sum4x8(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+            sums[g] = _mm256_castps128_ps256(_mm_cvtepi32_ps(total));
+            continue;
+        }
         __m256 f[8];
 #pragma GCC unroll 8
         for (int r = 0; r < S; r++) f[r] = _mm256_cvtepi32_ps(acc[g][r]);
@@ -244,23 +270,25 @@ KERNEL void share_step(Stream *st, Share *sh) {
 }
 
 /* The masked scores of slots t0..t0+rows-1 of the part (counted from part->lo) for query heads
- * h0..h0+G-1 of KV head kv, S slots at a time. tops[8 h + lane] keeps head h's largest score so far
- * in that lane (the first S lanes), so the softmax needs no pass of its own to find the maximum. */
-KERNEL void score_tile(const Job *job, const Part *part, int type, int kv, int h0, int G, int S, int t0, int rows,
-                       Stream *st, Share *sh, float *tops) {
+ * h0..h0+G-1 of KV head kv, S slots at a time; `scaled`: the keys have a scale per row (constant
+ * where this is inlined, as the branch in the loop cost a few percent). tops[8 h + lane] keeps head
+ * h's largest score so far in that lane (the first S lanes), so the softmax needs no pass of its own
+ * to find the maximum. */
+KERNEL void score_tile(const Job *job, const Part *part, int type, int scaled, int kv, int h0, int G, int S, int t0,
+                       int rows, Stream *st, Share *sh, float *tops) {
     const int d = job->head_dim;
     const size_t row = (size_t)job->row, at = (size_t)part->lo * row + (size_t)kv * job->head_stride;
     const size_t stride = (size_t)job->stride;
     const float *q = job->query + (size_t)h0 * d, *mask = job->mask + part->lo;
-    const float *kscale = job->key_scales ? job->key_scales + (size_t)kv * job->scale_stride + part->lo : NULL;
+    const float *kscale = scaled ? job->key_scales + (size_t)kv * job->scale_stride + part->lo : NULL;
     float *sc = job->scores + (size_t)h0 * stride + part->first;
     const int16_t *words = type == INT8_WORDS ? job->digits->words + (size_t)h0 * d : NULL;
-    __m256 unit[3];
+    __m256 unit[3], top[3]; /* S 4: the low 4 lanes of top */
 #pragma GCC unroll 3
-    for (int g = 0; g < G; g++) unit[g] = _mm256_set1_ps(type == INT8_WORDS ? job->digits->unit[h0 + g] : 1.0f);
-    __m256 top[3];
-#pragma GCC unroll 3
-    for (int g = 0; g < G; g++) top[g] = _mm256_loadu_ps(tops + 8 * (h0 + g));
+    for (int g = 0; g < G; g++) {
+        unit[g] = _mm256_set1_ps(type == INT8_WORDS ? job->digits->unit[h0 + g] : 1.0f);
+        top[g] = _mm256_loadu_ps(tops + 8 * (h0 + g));
+    }
     const int end = t0 + rows;
     int i = t0;
     for (; i + S <= end; i += S) {
@@ -270,29 +298,31 @@ KERNEL void score_tile(const Job *job, const Part *part, int type, int kv, int h
             dots_words(job->keys, at + (size_t)i * row, row, S, words, d, G, S, sums);
         else
             dots(job->keys, type, at + (size_t)i * row, row, S, q, d, G, S, sums);
-        if (type == INT8_WORDS)
+        /* score = sum x unit x row scale + mask: one FMA a head where there are no row scales */
+        const __m256 m = S == 4 ? _mm256_castps128_ps256(_mm_loadu_ps(mask + i)) : _mm256_loadu_ps(mask + i);
+        const __m256 scale = !scaled ? _mm256_set1_ps(1.0f)
+                             : S == 4 ? _mm256_castps128_ps256(_mm_loadu_ps(kscale + i)) : _mm256_loadu_ps(kscale + i);
 #pragma GCC unroll 3
-            for (int g = 0; g < G; g++) sums[g] = _mm256_mul_ps(sums[g], unit[g]);
-        if (S == 4) {
-            const __m128 m = _mm_loadu_ps(mask + i), scale = kscale ? _mm_loadu_ps(kscale + i) : _mm_set1_ps(1.0f);
-#pragma GCC unroll 3
-            for (int g = 0; g < G; g++) {
-                const __m128 score = _mm_fmadd_ps(_mm256_castps256_ps128(sums[g]), scale, m);
-                _mm_storeu_ps(sc + g * stride + i, score);
-                top[g] = _mm256_insertf128_ps(top[g], _mm_max_ps(_mm256_castps256_ps128(top[g]), score), 0);
-            }
-        } else {
-            const __m256 m = _mm256_loadu_ps(mask + i), scale = kscale ? _mm256_loadu_ps(kscale + i) : _mm256_set1_ps(1.0f);
-#pragma GCC unroll 3
-            for (int g = 0; g < G; g++) {
-                const __m256 score = _mm256_fmadd_ps(sums[g], scale, m);
+        for (int g = 0; g < G; g++) {
+            const __m256 factor = scaled ? _mm256_mul_ps(unit[g], scale) : unit[g];
+            const __m256 score = type == INT8_WORDS || scaled ? _mm256_fmadd_ps(sums[g], factor, m)
+                                                              : _mm256_add_ps(sums[g], m);
+            if (S == 4) { /* lanes 4-7 of score are undefined */
+                _mm_storeu_ps(sc + g * stride + i, _mm256_castps256_ps128(score));
+                const __m128 low = _mm256_castps256_ps128(score);
+                top[g] = _mm256_castps128_ps256(_mm_max_ps(_mm256_castps256_ps128(top[g]), low));
+            } else {
                 _mm256_storeu_ps(sc + g * stride + i, score);
                 top[g] = _mm256_max_ps(top[g], score);
             }
         }
     }
 #pragma GCC unroll 3
-    for (int g = 0; g < G; g++) _mm256_storeu_ps(tops + 8 * (h0 + g), top[g]);
+    for (int g = 0; g < G; g++)
+        if (S == 4)
+            _mm_storeu_ps(tops + 8 * (h0 + g), _mm256_castps256_ps128(top[g]));
+        else
+            _mm256_storeu_ps(tops + 8 * (h0 + g), top[g]);
     if (i < end) { /* the part's last rows: fewer than S */
         share_step(st, sh);
         __m256 sums[3];
@@ -302,9 +332,9 @@ KERNEL void score_tile(const Job *job, const Part *part, int type, int kv, int h
         else
             dots(job->keys, type, at + (size_t)i * row, row, end - i, q, d, G, S, sums);
         for (int g = 0; g < G; g++) {
-            _mm256_storeu_ps(out, type == INT8_WORDS ? _mm256_mul_ps(sums[g], unit[g]) : sums[g]);
+            _mm256_storeu_ps(out, _mm256_mul_ps(sums[g], unit[g]));
             for (int r = 0; i + r < end; r++) {
-                const float score = out[r] * (kscale ? kscale[i + r] : 1.0f) + mask[i + r];
+                const float score = out[r] * (scaled ? kscale[i + r] : 1.0f) + mask[i + r];
                 sc[g * stride + i + r] = score;
                 tops[8 * (h0 + g) + r] = score > tops[8 * (h0 + g) + r] ? score : tops[8 * (h0 + g) + r];
             }
@@ -320,12 +350,17 @@ KERNEL void score_tile(const Job *job, const Part *part, int type, int kv, int h
 #define PASS TARGET static __attribute__((noinline, optimize("no-tree-pre"))) void
 PASS score_pass(const Job *job, const Part *part, int type, int kv, int h0, int G, int t0, int rows, Stream *st,
                 Share *sh, float *tops) {
+    const int scaled = job->key_scales != NULL;
+#define SCORE_TILE(G, S)                                                                                  \
+    (scaled ? score_tile(job, part, type, 1, kv, h0, G, S, t0, rows, st, sh, tops)                      \
+            : score_tile(job, part, type, 0, kv, h0, G, S, t0, rows, st, sh, tops))
     if (G == 3)
-        score_tile(job, part, type, kv, h0, 3, 4, t0, rows, st, sh, tops);
+        SCORE_TILE(3, 4);
     else if (G == 2)
-        score_tile(job, part, type, kv, h0, 2, 4, t0, rows, st, sh, tops);
+        SCORE_TILE(2, 4);
     else
-        score_tile(job, part, type, kv, h0, 1, 8, t0, rows, st, sh, tops);
+        SCORE_TILE(1, 8);
+#undef SCORE_TILE
 }
 
 /* The masked scores of slots part->lo..hi for every head, into job->scores, a tile of slots
@@ -404,10 +439,38 @@ KERNEL void weigh_tile(const Job *job, Part *part, int type, int kv, int h0, int
         for (int c = 0; c < CB; c++) _mm256_storeu_ps(out + (size_t)g * d + 8 * c, acc[g][c]);
 }
 
-KERNEL int32_t numerator_pair(const int16_t *p) {
-    int32_t pair;
-    memcpy(&pair, p, sizeof pair);
+/* A pair of int16 numerators in every int32 lane, loaded where it is used (asm: hoisted, the G
+ * pairs took 3 registers and two of the 12 sums lived on the stack). */
+KERNEL __m256i broadcast_pair(const int16_t *p) {
+    __m256i pair;
+    __asm__("vpbroadcastd %1, %0" : "=x"(pair) : "m"(*(const int32_t *)p));
     return pair;
+}
+
+/* One pair of slots (codes at a and b) of weigh_tile_words for 3 heads (numerator pairs at w,
+ * w + stride, w + 2 stride) over 32 dimensions, in asm: 12 sums, 2 temporaries and the unpacked
+ * codes fill the 16 ymm registers exactly, and GCC, given the same in C, kept two sums on the
+ * stack. */
+KERNEL void weigh_pair3(const int8_t *a, const int8_t *b, const int16_t *w, size_t stride, __m256i acc[3][4]) {
+#define WEIGH_HEAD(w, lo, hi) \
+    "vpbroadcastd " w ", %%ymm15\n\t" \
+    "vpmaddwd %%ymm15, %%ymm12, %%ymm13\n\t" \
+    "vpaddd %%ymm13, %" lo ", %" lo "\n\t" \
+    "vpmaddwd %%ymm15, %%ymm14, %%ymm13\n\t" \
+    "vpaddd %%ymm13, %" hi ", %" hi "\n\t"
+#define WEIGH_BLOCK(off, l0, h0, l1, h1, l2, h2) \
+    "vpmovsxbw " off "(%12), %%ymm12\n\t" \
+    "vpmovsxbw " off "(%13), %%ymm13\n\t" \
+    "vpunpckhwd %%ymm13, %%ymm12, %%ymm14\n\t" \
+    "vpunpcklwd %%ymm13, %%ymm12, %%ymm12\n\t" \
+    WEIGH_HEAD("(%14)", l0, h0) WEIGH_HEAD("(%14,%15)", l1, h1) WEIGH_HEAD("(%14,%15,2)", l2, h2)
+    __asm__(WEIGH_BLOCK("0", "0", "1", "4", "5", "8", "9") WEIGH_BLOCK("16", "2", "3", "6", "7", "10", "11")
+            : "+x"(acc[0][0]), "+x"(acc[0][1]), "+x"(acc[0][2]), "+x"(acc[0][3]), "+x"(acc[1][0]), "+x"(acc[1][1]),
+              "+x"(acc[1][2]), "+x"(acc[1][3]), "+x"(acc[2][0]), "+x"(acc[2][1]), "+x"(acc[2][2]), "+x"(acc[2][3])
+            : "r"(a), "r"(b), "r"(w), "r"(stride * sizeof *w)
+            : "xmm12", "xmm13", "xmm14", "xmm15", "memory"); /* memory: it reads the rows and numerators */
+#undef WEIGH_BLOCK
+#undef WEIGH_HEAD
 }
 
 /* weigh_tile on int8 codes as integers, for dimensions c0..c0+31: the numerators are int16
@@ -433,10 +496,10 @@ KERNEL void weigh_tile_words(const Job *job, Part *part, int kv, int h0, int G, 
         for (int i = i0; i < end; i += 2) {
             /* an odd last slot pairs with itself, its partner's numerator 0 (numerators[n]) */
             const int8_t *a = v + (size_t)i * row, *b = i + 1 < end ? a + row : a;
-            __m256i weight[3];
-#pragma GCC unroll 3
-            for (int g = 0; g < G; g++)
-                weight[g] = _mm256_set1_epi32(numerator_pair(w + (size_t)g * numerator_stride + i));
+            if (G == 3) {
+                weigh_pair3(a, b, w + i, numerator_stride, acc);
+                continue;
+            }
 #pragma GCC unroll 2
             for (int cb = 0; cb < CB; cb++) {
                 const __m256i wa = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(a + 16 * cb)));
@@ -445,8 +508,9 @@ KERNEL void weigh_tile_words(const Job *job, Part *part, int kv, int h0, int G, 
                 const __m256i lo = _mm256_unpacklo_epi16(wa, wb), hi = _mm256_unpackhi_epi16(wa, wb);
 #pragma GCC unroll 3
                 for (int g = 0; g < G; g++) {
-                    acc[g][2 * cb] = _mm256_add_epi32(acc[g][2 * cb], _mm256_madd_epi16(lo, weight[g]));
-                    acc[g][2 * cb + 1] = _mm256_add_epi32(acc[g][2 * cb + 1], _mm256_madd_epi16(hi, weight[g]));
+                    const __m256i weight = broadcast_pair(w + (size_t)g * numerator_stride + i);
+                    acc[g][2 * cb] = _mm256_add_epi32(acc[g][2 * cb], _mm256_madd_epi16(lo, weight));
+                    acc[g][2 * cb + 1] = _mm256_add_epi32(acc[g][2 * cb + 1], _mm256_madd_epi16(hi, weight));
                 }
             }
         }
@@ -518,12 +582,32 @@ KERNEL float numerators_words(float *sc, const float *scale, int n, float top, i
         largest = max_of(sc, n);
     }
     const float step = largest > 0.0f ? one / largest : 0.0f;
-    const __m256 step8 = _mm256_set1_ps(step), top8 = _mm256_set1_ps(top);
+    const __m256 step8 = _mm256_set1_ps(step);
+    /* Without row scales, e^(x - top) x 32767 as 2^t, t = x log2(e) - top log2(e) + log2(32767) in
+     * one FMA, floored at -30 (2^-30 rounds to 0, so no compare), and 2^frac(t) by a 4th-degree
+     * polynomial (relative error 2.7e-6, a tenth of the rounding's step at 32767): 17 instructions
+     * for 8 numerators where exp_nonpositive8 and a multiply took 24. */
+    const __m256 log2e = _mm256_set1_ps(1.44269504f), lowest = _mm256_set1_ps(-30.0f);
+    const __m256 bias = _mm256_set1_ps(14.9999560f - top * 1.44269504f); /* log2(32767) */
     __m256i sum = _mm256_setzero_si256();
     int i = 0;
     for (; i + 8 <= n; i += 8) {
-        const __m256 x = _mm256_loadu_ps(sc + i), weight = scale ? x : exp_nonpositive8(_mm256_sub_ps(x, top8));
-        const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(weight, step8));
+        const __m256 x = _mm256_loadu_ps(sc + i);
+        __m256i q;
+        if (scale) {
+            q = _mm256_cvtps_epi32(_mm256_mul_ps(x, step8));
+        } else {
+            const __m256 t = _mm256_max_ps(_mm256_fmadd_ps(x, log2e, bias), lowest);
+            const __m256 whole = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m256 f = _mm256_sub_ps(t, whole);
+            __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(9.56999324e-3f), f, _mm256_set1_ps(5.59175424e-2f));
+            p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.40247443e-1f));
+            p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.93121850e-1f));
+            p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.99999285e-1f));
+            const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(whole), _mm256_set1_epi32(127)),
+                                                   23); /* 2^whole */
+            q = _mm256_cvtps_epi32(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+        }
         sum = _mm256_add_epi32(sum, q);
         _mm_storeu_si128((__m128i *)(words + i),
                          _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)));
