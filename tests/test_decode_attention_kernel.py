@@ -418,8 +418,8 @@ def float_chunk_counts(slots: int, lives: tuple[int, ...]) -> int:
 
 
 def test_stats_count_calls_chunks_and_the_helpers_share():
-    """The counters a profile reads: every call, its chunks (384 slots for an int8 cache, 192 for a
-    float one), the chunks the helper thread took (none with one thread; with two, all chunks are
+    """The counters a profile reads: every call, its chunks (at most 1,024 slots for an int8 cache,
+    two above 384; 192 for a float one), the chunks the helper thread took (none with one thread; with two, all chunks are
     accounted for by the two), and the calls it joined with how late."""
     slots = 2048
     q, k, v, _ = int8_case(9, 3, 64, slots, slots)
@@ -435,7 +435,7 @@ def test_stats_count_calls_chunks_and_the_helpers_share():
                 kernel.run(q, k, v, m, 3)
             stats = kernel.stats()
             assert stats.calls == 3
-            assert stats.chunks == 1 + 6 + 2  # ceil(live / 384), CHUNK_SLOTS in decode_attention.c
+            assert stats.chunks == 1 + 2 + 2  # CHUNK_SLOTS and SPLIT_SLOTS in decode_attention.c
             assert stats.seconds > 0 and stats.microseconds_per_call > 0
             assert 0 <= stats.helper_chunks <= stats.chunks
             if threads == 1:
@@ -528,7 +528,8 @@ def within_float_rounding(got, expected, cache):
 AVX2_SHAPES = [
     (9, 3, 64, 301, 301, None),    # SmolLM2's groups of 3: 4-slot blocks, the last of one slot
     (4, 1, 256, 203, 190, 77),     # a group of 4 (2 + 2 heads), head_dim 256, a window
-    (8, 2, 128, 450, 433, None),   # chunks of 384 (int8) or 192 slots (float), none a multiple of 64
+    (8, 2, 128, 450, 433, None),   # two chunks (int8) or three of 192 slots (float), none a multiple of 64
+    (9, 3, 64, 4096, 3001, None),  # four chunks of 751 (int8) merged, sixteen of 188 (float)
     (10, 2, 64, 99, 98, 31),       # a group of 5 (3 + 2)
     (6, 6, 64, 77, 77, None),      # no grouping: 8-slot blocks, the last of 5 slots
     (2, 2, 128, 13, 13, None),     # fewer slots than a block

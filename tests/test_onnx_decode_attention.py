@@ -169,7 +169,7 @@ def test_one_token_prefill_calls_share_their_chunks_with_the_sessions_pool(int8,
     options.intra_op_num_threads = threads
     model = kernel.onnx_session(graph, options)
     before = kernel.stats()
-    for position in (0, 191, 700, 2047):  # one chunk, then 4 to 11 (192 float32 slots a chunk, 384 int8)
+    for position in (0, 191, 700, 2047):  # one chunk, then 4 to 11 (192 float32 slots a chunk; int8: 2)
         q, k, v, past_k, past_v, cos, sin = operands(rng, heads, kv_heads, slots, head_dim, half)
         query = np.concatenate([q, k, v], axis=1)
         if int8:
@@ -186,7 +186,7 @@ def test_one_token_prefill_calls_share_their_chunks_with_the_sessions_pool(int8,
                                 keys, values, position, None, None, -1, 0.125)
         np.testing.assert_allclose(out[0], want, rtol=2e-4, atol=2e-3 * 127 * 0.02 if int8 else 2e-5)
     done = kernel.stats() - before
-    assert done.calls == 4 and done.chunks == (1 + 1 + 2 + 6 if int8 else 1 + 1 + 4 + 11)
+    assert done.calls == 4 and done.chunks == (1 + 1 + 2 + 2 if int8 else 1 + 1 + 4 + 11)
     for _ in range(30):  # back to back, as a model's layers call it: the pool's worker takes chunks
         model.run(None, feed)
     done = kernel.stats() - before

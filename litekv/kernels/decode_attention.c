@@ -47,9 +47,13 @@
 #endif
 #define MAX_RANK 8
 #ifndef CHUNK_SLOTS
-#define CHUNK_SLOTS 384 /* 5-20 us of work: what the caller may wait for at the end. Smaller chunks cost more
-                           in restarting each pass over the rows, whose first prefetched rows arrive late: with
-                           an int8 cache 256 took 62.6 us per 2,048-slot call in the model, 384 57.9 */
+#define CHUNK_SLOTS 1024 /* an int8 cache's chunks: each restarts the passes over the rows (their first prefetched
+                            rows arrive late), and with the helper joining within a microsecond (the steps' linears
+                            are litekv's) two chunks of 1,024 beat six of 342 at 2,048 slots: an int4 SmolLM2 step
+                            6.58-6.71 ms against 6.84-7.23 (512: 6.82-6.86; 256: 7.06-7.12), alternating */
+#endif
+#ifndef SPLIT_SLOTS
+#define SPLIT_SLOTS 384 /* an int8 cache's calls over more slots than this go in two chunks at least */
 #endif
 #ifndef FLOAT_CHUNK_SLOTS
 #define FLOAT_CHUNK_SLOTS 192 /* a float cache's row is 4x the bytes: 384 slots were one chunk, which left the
@@ -532,10 +536,12 @@ static void compute(State *st, Job *job, int lo, int hi, float *out) {
 #endif
     /* At most chunk_slots() a chunk, an even count of near-equal chunks, so that neither of two
      * threads waits for the other's last one: 2,048 slots in chunks of 384 were 5 and one of 128,
-     * one thread's share 1,152 slots and the other's 896 (in six of 342: 1,026 each). The same
-     * with one thread, whose sums then are the same as two threads'. */
+     * one thread's share 1,152 slots and the other's 896. An int8 cache's calls over more than
+     * SPLIT_SLOTS slots take two chunks at least. The same with one thread, whose sums then are the
+     * same as two threads'. */
     const int slots = hi - lo + 1;
     int count = (slots - 1) / chunk_slots(job) + 1;
+    if (count == 1 && int8_codes(job->cache_type) && slots > SPLIT_SLOTS) count = 2;
     if (count > 1 && count % 2 && count < st->max_parts) count++;
     const int chunk = (slots + count - 1) / count;
     count = (slots + chunk - 1) / chunk; /* no empty chunk at the end */
