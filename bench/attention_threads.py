@@ -5,7 +5,7 @@ For each LiteRT bundle with an int8 KV cache, one process opens an executor per 
 (XNNPACK threads, attention-kernel threads) and times rewound decode steps at 64 and 2,048 live
 tokens, the configurations taking turns over several rounds. The kernel's own counters
 (`LiteRTExecutor.attention_stats`) give the time inside its calls, the helper thread's share of the
-384-slot chunks and how long after the caller's offer it joins a call, so the step time splits into
+chunks and how long after the caller's offer it joins a call, so the step time splits into
 attention and the rest.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/attention_threads.py [--quantize int4 int8]
