@@ -298,23 +298,30 @@ KERNEL void score_tile(const Job *job, const Part *part, int type, int scaled, i
             dots_words(job->keys, at + (size_t)i * row, row, S, words, d, G, S, sums);
         else
             dots(job->keys, type, at + (size_t)i * row, row, S, q, d, G, S, sums);
-        /* score = sum x unit x row scale + mask: one FMA a head where there are no row scales */
-        const __m256 m = S == 4 ? _mm256_castps128_ps256(_mm_loadu_ps(mask + i)) : _mm256_loadu_ps(mask + i);
-        const __m256 scale = !scaled ? _mm256_set1_ps(1.0f)
-                             : S == 4 ? _mm256_castps128_ps256(_mm_loadu_ps(kscale + i)) : _mm256_loadu_ps(kscale + i);
+        /* score = sum x unit x row scale + mask: one FMA a head where there are no row scales. With S 4
+         * in xmm: lanes 4-7 of the sums are undefined, and arithmetic on them (denormals, NaNs) cost a
+         * float32 call 2-3 %. */
+        if (S == 4) {
+            const __m128 m = _mm_loadu_ps(mask + i), scale = scaled ? _mm_loadu_ps(kscale + i) : _mm_set1_ps(1.0f);
+#pragma GCC unroll 3
+            for (int g = 0; g < G; g++) {
+                const __m128 sum = _mm256_castps256_ps128(sums[g]), u = _mm256_castps256_ps128(unit[g]);
+                const __m128 score = type == INT8_WORDS || scaled
+                                         ? _mm_fmadd_ps(sum, scaled ? _mm_mul_ps(u, scale) : u, m)
+                                         : _mm_add_ps(sum, m);
+                _mm_storeu_ps(sc + g * stride + i, score);
+                top[g] = _mm256_castps128_ps256(_mm_max_ps(_mm256_castps256_ps128(top[g]), score));
+            }
+            continue;
+        }
+        const __m256 m = _mm256_loadu_ps(mask + i), scale = scaled ? _mm256_loadu_ps(kscale + i) : _mm256_set1_ps(1.0f);
 #pragma GCC unroll 3
         for (int g = 0; g < G; g++) {
-            const __m256 factor = scaled ? _mm256_mul_ps(unit[g], scale) : unit[g];
-            const __m256 score = type == INT8_WORDS || scaled ? _mm256_fmadd_ps(sums[g], factor, m)
-                                                              : _mm256_add_ps(sums[g], m);
-            if (S == 4) { /* lanes 4-7 of score are undefined */
-                _mm_storeu_ps(sc + g * stride + i, _mm256_castps256_ps128(score));
-                const __m128 low = _mm256_castps256_ps128(score);
-                top[g] = _mm256_castps128_ps256(_mm_max_ps(_mm256_castps256_ps128(top[g]), low));
-            } else {
-                _mm256_storeu_ps(sc + g * stride + i, score);
-                top[g] = _mm256_max_ps(top[g], score);
-            }
+            const __m256 score = type == INT8_WORDS || scaled
+                                     ? _mm256_fmadd_ps(sums[g], scaled ? _mm256_mul_ps(unit[g], scale) : unit[g], m)
+                                     : _mm256_add_ps(sums[g], m);
+            _mm256_storeu_ps(sc + g * stride + i, score);
+            top[g] = _mm256_max_ps(top[g], score);
         }
     }
 #pragma GCC unroll 3
