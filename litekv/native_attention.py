@@ -140,7 +140,7 @@ class AttentionStats:
 
     calls: int
     seconds: float       # wall time inside the calls, as the calling thread saw it
-    chunks: int          # pieces the calls were cut into: 1,024 slots with an int8 cache (two above 384), 192 with a float one
+    chunks: int          # pieces the calls were cut into: int8 cache <= 1,024 slots (two above 384), float 192
     helper_chunks: int   # of those, the ones the helper thread computed (0 with one thread)
     helper_joins: int = 0  # calls the helper took a chunk of
     helper_delay_seconds: float = 0.0  # from the caller's offer to the helper's start, summed over those

@@ -419,8 +419,8 @@ def float_chunk_counts(slots: int, lives: tuple[int, ...]) -> int:
 
 def test_stats_count_calls_chunks_and_the_helpers_share():
     """The counters a profile reads: every call, its chunks (at most 1,024 slots for an int8 cache,
-    two above 384; 192 for a float one), the chunks the helper thread took (none with one thread; with two, all chunks are
-    accounted for by the two), and the calls it joined with how late."""
+    two above 384; 192 for a float one), the chunks the helper thread took (none with one thread;
+    with two, all chunks are accounted for by the two), and the calls it joined with how late."""
     slots = 2048
     q, k, v, _ = int8_case(9, 3, 64, slots, slots)
     float_chunks = float_chunk_counts(slots, (100, 2048, 700))

@@ -446,11 +446,9 @@ KERNEL void weigh_tile(const Job *job, Part *part, int type, int kv, int h0, int
         for (int c = 0; c < CB; c++) _mm256_storeu_ps(out + (size_t)g * d + 8 * c, acc[g][c]);
 }
 
-/* A pair of int16 numerators in every int32 lane, loaded where it is used (asm: hoisted, the G
- * pairs took 3 registers and two of the 12 sums lived on the stack). */
-KERNEL __m256i broadcast_pair(const int16_t *p) {
-    __m256i pair;
-    __asm__("vpbroadcastd %1, %0" : "=x"(pair) : "m"(*(const int32_t *)p));
+KERNEL int32_t numerator_pair(const int16_t *p) {
+    int32_t pair;
+    memcpy(&pair, p, sizeof pair);
     return pair;
 }
 
@@ -507,6 +505,10 @@ KERNEL void weigh_tile_words(const Job *job, Part *part, int kv, int h0, int G, 
                 weigh_pair3(a, b, w + i, numerator_stride, acc);
                 continue;
             }
+            __m256i weight[3]; /* 2 heads at most here: 8 sums, the weights and the codes fit the registers */
+#pragma GCC unroll 3
+            for (int g = 0; g < G; g++)
+                weight[g] = _mm256_set1_epi32(numerator_pair(w + (size_t)g * numerator_stride + i));
 #pragma GCC unroll 2
             for (int cb = 0; cb < CB; cb++) {
                 const __m256i wa = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(a + 16 * cb)));
@@ -515,9 +517,8 @@ KERNEL void weigh_tile_words(const Job *job, Part *part, int kv, int h0, int G, 
                 const __m256i lo = _mm256_unpacklo_epi16(wa, wb), hi = _mm256_unpackhi_epi16(wa, wb);
 #pragma GCC unroll 3
                 for (int g = 0; g < G; g++) {
-                    const __m256i weight = broadcast_pair(w + (size_t)g * numerator_stride + i);
-                    acc[g][2 * cb] = _mm256_add_epi32(acc[g][2 * cb], _mm256_madd_epi16(lo, weight));
-                    acc[g][2 * cb + 1] = _mm256_add_epi32(acc[g][2 * cb + 1], _mm256_madd_epi16(hi, weight));
+                    acc[g][2 * cb] = _mm256_add_epi32(acc[g][2 * cb], _mm256_madd_epi16(lo, weight[g]));
+                    acc[g][2 * cb + 1] = _mm256_add_epi32(acc[g][2 * cb + 1], _mm256_madd_epi16(hi, weight[g]));
                 }
             }
         }
