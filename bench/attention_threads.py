@@ -6,7 +6,8 @@ For each LiteRT bundle with an int8 KV cache, one process opens an executor per 
 tokens, the configurations taking turns over several rounds. The kernel's own counters
 (`LiteRTExecutor.attention_stats`) give the time inside its calls, the helper thread's share of the
 chunks and how long after the caller's offer it joins a call, so the step time splits into
-attention and the rest.
+attention and the rest. With two attention threads they also give each thread's time in its
+chunks of a call and how long the caller then waits for the helper's.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/attention_threads.py [--quantize int4 int8]
 """
@@ -51,7 +52,10 @@ def measure(quantize: str, rounds: int, steps: int) -> list[dict]:
                      "step_ms_64": short, "step_ms_2048": long, "ratio": long / short,
                      "attention_us_per_call_2048": stats.microseconds_per_call,
                      "attention_ms_per_step_2048": stats.microseconds_per_call * layers / 1e3,
-                     "helper_share": stats.helper_share, "helper_start_us": stats.helper_start_microseconds})
+                     "helper_share": stats.helper_share, "helper_start_us": stats.helper_start_microseconds,
+                     "caller_chunks_us": stats.caller_microseconds_per_shared_call,
+                     "helper_chunks_us": stats.helper_microseconds_per_join,
+                     "caller_wait_us": stats.wait_microseconds_per_shared_call})
     return rows
 
 
@@ -64,11 +68,13 @@ def main() -> None:
     rows = [row for q in args.quantize for row in measure(q, args.rounds, args.steps)]
     print(markdown_table(
         ["weights", "XNNPACK threads", "attention threads", "step at 64, ms", "step at 2,048, ms", "2,048 / 64",
-         "attention per layer at 2,048, µs", "attention per step, ms", "helper's chunks", "helper joins after, µs"],
+         "attention per layer at 2,048, µs", "attention per step, ms", "helper's chunks", "helper joins after, µs",
+         "caller's chunks, µs", "helper's chunks, µs", "caller waits, µs"],
         [[r["quantize"], r["xnnpack_threads"], r["attention_threads"], f"{r['step_ms_64']:.2f}",
           f"{r['step_ms_2048']:.2f}", f"{r['ratio']:.2f}", f"{r['attention_us_per_call_2048']:.1f}",
           f"{r['attention_ms_per_step_2048']:.2f}", f"{100 * r['helper_share']:.0f} %",
-          f"{r['helper_start_us']:.1f}" if r["attention_threads"] > 1 else "–"] for r in rows]))
+          *([f"{r['helper_start_us']:.1f}", f"{r['caller_chunks_us']:.1f}", f"{r['helper_chunks_us']:.1f}",
+             f"{r['caller_wait_us']:.1f}"] if r["attention_threads"] > 1 else ["–"] * 4)] for r in rows]))
     save("attention_threads", {"rounds": args.rounds, "steps": args.steps, "rows": rows})
 
 

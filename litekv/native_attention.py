@@ -102,7 +102,7 @@ def _load() -> ctypes.CDLL:
                     lib.litekv_attention_int8_dot.argtypes = []
                     lib.litekv_attention_int8_dot.restype = ctypes.c_int
                     lib.litekv_attention_stats.argtypes = [ctypes.POINTER(AttentionConfig),
-                                                           ctypes.POINTER(ctypes.c_uint64 * 7)]
+                                                           ctypes.POINTER(ctypes.c_uint64 * 11)]
                     lib.litekv_attention_stats.restype = None
                     lib.litekv_attention_run.restype = ctypes.c_int
                     lib.litekv_attention_run.argtypes = [ctypes.POINTER(AttentionConfig), *[ctypes.c_void_p] * 7,
@@ -145,6 +145,10 @@ class AttentionStats:
     helper_joins: int = 0  # calls the helper took a chunk of
     helper_delay_seconds: float = 0.0  # from the caller's offer to the helper's start, summed over those
     pool_chunks: int = 0  # chunks (and linear tasks) a worker of ONNX Runtime's pool computed, not the caller
+    shared_calls: int = 0  # calls of several chunks offered to the helper thread
+    caller_chunk_seconds: float = 0.0  # the caller's time in its own chunks of those calls
+    caller_wait_seconds: float = 0.0   # ... and waiting for the helper's chunks after them
+    helper_chunk_seconds: float = 0.0  # the helper's time in its chunks
 
     def __add__(self, other: AttentionStats) -> AttentionStats:
         return AttentionStats(*(a + b for a, b in zip(astuple(self), astuple(other))))
@@ -162,6 +166,22 @@ class AttentionStats:
         """How late the helper thread joins a call, on average: what the other core was busy with
         first (beside XNNPACK's pool, its worker's spin after its last task)."""
         return 1e6 * self.helper_delay_seconds / self.helper_joins if self.helper_joins else 0.0
+
+    @property
+    def caller_microseconds_per_shared_call(self) -> float:
+        """The caller's time in its own chunks of a call it shared with the helper."""
+        return 1e6 * self.caller_chunk_seconds / self.shared_calls if self.shared_calls else 0.0
+
+    @property
+    def helper_microseconds_per_join(self) -> float:
+        """The helper's time in its chunks of a call it joined."""
+        return 1e6 * self.helper_chunk_seconds / self.helper_joins if self.helper_joins else 0.0
+
+    @property
+    def wait_microseconds_per_shared_call(self) -> float:
+        """How long the caller waits for the helper's chunks after finishing its own: what an uneven
+        split of a call between the two threads costs it."""
+        return 1e6 * self.caller_wait_seconds / self.shared_calls if self.shared_calls else 0.0
 
     @property
     def helper_share(self) -> float:
@@ -362,11 +382,13 @@ class AttentionKernel:
 
     def stats(self) -> AttentionStats:
         """Counters since this registration was made; read them between model calls."""
-        counters = (ctypes.c_uint64 * 7)()
+        counters = (ctypes.c_uint64 * 11)()
         self._lib.litekv_attention_stats(ctypes.byref(self.config), ctypes.byref(counters))
-        calls, nanoseconds, chunks, helper_chunks, joins, delay_nanoseconds, pool_chunks = counters
+        (calls, nanoseconds, chunks, helper_chunks, joins, delay_nanoseconds, pool_chunks, shared_calls,
+         caller_nanoseconds, wait_nanoseconds, helper_nanoseconds) = counters
         return AttentionStats(calls, nanoseconds / 1e9, chunks, helper_chunks, joins, delay_nanoseconds / 1e9,
-                              pool_chunks)
+                              pool_chunks, shared_calls, caller_nanoseconds / 1e9, wait_nanoseconds / 1e9,
+                              helper_nanoseconds / 1e9)
 
     def release(self) -> None:
         self._lib.litekv_attention_release(ctypes.byref(self.config))

@@ -441,9 +441,18 @@ def test_stats_count_calls_chunks_and_the_helpers_share():
             if threads == 1:
                 assert stats.helper_chunks == 0 and stats.helper_share == 0.0
                 assert stats.helper_joins == 0 and stats.helper_start_microseconds == 0.0
+                assert stats.shared_calls == 0 and stats.wait_microseconds_per_shared_call == 0.0
+                assert stats.caller_chunk_seconds == stats.helper_chunk_seconds == 0.0
             else:  # only calls of several chunks are offered to the helper; its counters are in when a call returns
                 assert stats.helper_joins <= 2 and (stats.helper_joins > 0) == (stats.helper_chunks > 0)
                 assert stats.helper_delay_seconds >= 0.0
+                assert stats.shared_calls == 2  # the 2,048- and 700-slot calls
+                # the caller's own chunks and its wait for the helper's lie within its calls
+                assert 0.0 < stats.caller_chunk_seconds
+                assert stats.caller_chunk_seconds + stats.caller_wait_seconds <= stats.seconds
+                assert (stats.helper_chunk_seconds > 0.0) == (stats.helper_joins > 0)
+                assert stats.caller_microseconds_per_shared_call == pytest.approx(
+                    1e6 * stats.caller_chunk_seconds / 2)
         finally:
             kernel.release()
 

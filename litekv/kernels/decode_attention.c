@@ -127,9 +127,13 @@ typedef struct {
      * compare-and-swap, so a thread holding an old value can never take a chunk of a later call. */
     _Alignas(64) _Atomic uint64_t ticket;
     _Alignas(64) atomic_int completed;
-    /* Counters for litekv_attention_stats: the caller's, then the helper's on its own line. */
+    /* Counters for litekv_attention_stats: the caller's, then the helper's on its own line. Of the
+     * calls offered to the helper (shared), the caller's time in its own chunks and waiting for the
+     * helper's after them, and the helper's time in its chunks: where two threads lose to one. */
     _Alignas(64) uint64_t stat_calls, stat_nanoseconds, stat_chunks;
+    uint64_t stat_shared_calls, stat_caller_chunk_nanoseconds, stat_wait_nanoseconds;
     _Alignas(64) _Atomic uint64_t stat_helper_chunks, stat_helper_joins, stat_helper_delay_nanoseconds;
+    _Atomic uint64_t stat_helper_chunk_nanoseconds;
     _Atomic uint64_t stat_lent_chunks; /* chunks a lent thread other than the caller computed */
     char padding[56];
 } State;
@@ -409,8 +413,14 @@ static uint64_t take_chunks(State *st, bool helper, double delay) {
                 prefill_task(&st->prefill, task, st->prefill_scratch[helper]);
             else if (st->kind == TASK_LINEAR)
                 linear_task(&st->linear, task);
-            else
+            else if (helper) {
+                const double start = seconds();
                 attend_part(&st->job, &st->parts[task]);
+                atomic_fetch_add_explicit(&st->stat_helper_chunk_nanoseconds, (uint64_t)(1e9 * (seconds() - start)),
+                                          memory_order_relaxed);
+            } else {
+                attend_part(&st->job, &st->parts[task]);
+            }
             atomic_fetch_add_explicit(&st->completed, 1, memory_order_release);
             t = atomic_load_explicit(&st->ticket, memory_order_acquire);
             taken++;
@@ -579,8 +589,16 @@ static void share(State *st, int count) {
         pthread_cond_signal(&st->wake);
         pthread_mutex_unlock(&st->lock);
     }
+    const bool timed = st->kind == TASK_DECODE && count > 1; /* not the linears: 121 calls a step */
+    const double start = timed ? seconds() : 0.0;
     take_chunks(st, false, 0.0);
+    const double own = timed ? seconds() : 0.0;
     while (atomic_load_explicit(&st->completed, memory_order_acquire) != count) sched_yield();
+    if (timed) {
+        st->stat_shared_calls++;
+        st->stat_caller_chunk_nanoseconds += (uint64_t)(1e9 * (own - start));
+        st->stat_wait_nanoseconds += (uint64_t)(1e9 * (seconds() - own));
+    }
 }
 
 /* A prefill chunk's attention, its tasks shared between the threads like a decode's chunks. */
@@ -1032,10 +1050,12 @@ int litekv_attention_int8_dot(void) {
 }
 
 /* Counters since the state was made: calls, nanoseconds inside them (the caller's wall time),
- * chunks, chunks the helper thread computed, calls it joined, and the nanoseconds from the
- * caller's offer to the helper's start summed over those calls. All zero before the first call.
- * Read them between calls: the caller's counters are not atomic. */
-void litekv_attention_stats(const AttentionConfig *cfg, uint64_t out[7]) {
+ * chunks, chunks the helper thread computed, calls it joined, the nanoseconds from the caller's
+ * offer to the helper's start summed over those calls, chunks ONNX Runtime's pool computed; then
+ * the calls offered to the helper, the caller's nanoseconds in its own chunks of those and waiting
+ * for the helper's after them, and the helper's nanoseconds in its chunks. All zero before the
+ * first call. Read them between calls: the caller's counters are not atomic. */
+void litekv_attention_stats(const AttentionConfig *cfg, uint64_t out[11]) {
     State *st = cfg->state;
     out[0] = st ? st->stat_calls : 0;
     out[1] = st ? st->stat_nanoseconds : 0;
@@ -1044,6 +1064,10 @@ void litekv_attention_stats(const AttentionConfig *cfg, uint64_t out[7]) {
     out[4] = st ? atomic_load_explicit(&st->stat_helper_joins, memory_order_relaxed) : 0;
     out[5] = st ? atomic_load_explicit(&st->stat_helper_delay_nanoseconds, memory_order_relaxed) : 0;
     out[6] = st ? atomic_load_explicit(&st->stat_lent_chunks, memory_order_relaxed) : 0;
+    out[7] = st ? st->stat_shared_calls : 0;
+    out[8] = st ? st->stat_caller_chunk_nanoseconds : 0;
+    out[9] = st ? st->stat_wait_nanoseconds : 0;
+    out[10] = st ? atomic_load_explicit(&st->stat_helper_chunk_nanoseconds, memory_order_relaxed) : 0;
 }
 
 /* Stops the helper thread and frees the scratch; call after the compiled model is destroyed. */
