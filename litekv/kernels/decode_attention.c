@@ -413,13 +413,12 @@ static uint64_t take_chunks(State *st, bool helper, double delay) {
                 prefill_task(&st->prefill, task, st->prefill_scratch[helper]);
             else if (st->kind == TASK_LINEAR)
                 linear_task(&st->linear, task);
-            else if (helper) {
-                const double start = seconds();
+            else {
+                const double start = helper ? seconds() : 0.0; /* the caller's chunks are timed in share() */
                 attend_part(&st->job, &st->parts[task]);
-                atomic_fetch_add_explicit(&st->stat_helper_chunk_nanoseconds, (uint64_t)(1e9 * (seconds() - start)),
-                                          memory_order_relaxed);
-            } else {
-                attend_part(&st->job, &st->parts[task]);
+                if (helper)
+                    atomic_fetch_add_explicit(&st->stat_helper_chunk_nanoseconds,
+                                              (uint64_t)(1e9 * (seconds() - start)), memory_order_relaxed);
             }
             atomic_fetch_add_explicit(&st->completed, 1, memory_order_release);
             t = atomic_load_explicit(&st->ticket, memory_order_acquire);
