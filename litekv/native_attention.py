@@ -45,6 +45,10 @@ LINEAR_OP_NAMES = {"litekv.linear_int4": 0, "litekv.linear_int8": 1}  # linear.h
 # A decode step's rotary embedding beside them: in XNNPACK its matmul would wake XNNPACK's worker.
 ROPE_OP_NAME = "litekv.rope"
 OP_VERSION = 1
+# int8 keys in blocks of KEY_BLOCK slots (attention_common.h): the decode kernel scores a block's
+# slots in one vector without a reduction tree. Or'ed into the cache type at the host-array entries.
+KEY_BLOCK = 8
+CACHE_KEY_BLOCKS = 0x100
 _MODULE = "litekv._decode_attention"
 
 
@@ -213,6 +217,28 @@ def _host_arrays(query, keys, values, mask, num_kv_heads, key_scales=None, value
     return query, keys, values, mask, key_scales, value_scales, ROW_SCALES
 
 
+def block_keys(rows: np.ndarray) -> np.ndarray:
+    """int8 keys as rows, [..., S, KVH, D], in the kernels' block order (`key_blocks`): per block of
+    KEY_BLOCK slots and per KV head, each dimension pair's codes of the block's slots side by side.
+    A [S, KVH*D] cache is passed as [S, KVH, D]; a head-major [KVH, S, D] one as [KVH, S, 1, D]
+    (each KV head's blocks contiguous). S must be a multiple of KEY_BLOCK and D even. Returns an
+    array of the input's shape whose bytes are the blocks."""
+    *lead, slots, heads, dim = rows.shape
+    blocks = rows.reshape(*lead, slots // KEY_BLOCK, KEY_BLOCK, heads, dim // 2, 2)
+    n = len(lead)
+    order = (*range(n), n, n + 2, n + 3, n + 1, n + 4)  # [.., block, head, pair, slot, 2]
+    return np.ascontiguousarray(blocks.transpose(order)).reshape(rows.shape)
+
+
+def unblock_keys(blocks: np.ndarray) -> np.ndarray:
+    """block_keys' inverse: keys in block order, in the shape block_keys returned, as rows."""
+    *lead, slots, heads, dim = blocks.shape
+    n = len(lead)
+    grouped = blocks.reshape(*lead, slots // KEY_BLOCK, heads, dim // 2, KEY_BLOCK, 2)
+    order = (*range(n), n, n + 3, n + 1, n + 2, n + 4)  # back to [.., block, slot, head, pair, 2]
+    return np.ascontiguousarray(grouped.transpose(order)).reshape(blocks.shape)
+
+
 def _pointer(array: np.ndarray | None) -> int | None:
     return None if array is None else array.ctypes.data
 
@@ -292,25 +318,29 @@ class AttentionKernel:
         return 0
 
     def run(self, query: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray, num_kv_heads: int,
-            key_scales: np.ndarray | None = None, value_scales: np.ndarray | None = None) -> np.ndarray:
+            key_scales: np.ndarray | None = None, value_scales: np.ndarray | None = None,
+            key_blocks: bool = False) -> np.ndarray:
         """The op on host arrays: query [H*D], keys/values [S, KVH*D] (float32, int8 codes for the
         int8 forms, or float16), mask [S] float32 -> [H*D]. With int8 codes, `key_scales` and
-        `value_scales` [KVH, S] give each row's scale (the `_int8_rows` form)."""
+        `value_scales` [KVH, S] give each row's scale (the `_int8_rows` form), and `key_blocks` says
+        the keys' bytes are in blocks of KEY_BLOCK slots (`block_keys`)."""
         query, keys, values, mask, key_scales, value_scales, cache_type = _host_arrays(
             query, keys, values, mask, num_kv_heads, key_scales, value_scales)
         out = np.empty_like(query)
         pointers = (_pointer(a) for a in (query, keys, values, key_scales, value_scales, mask, out))
         status = self._lib.litekv_attention_run(ctypes.byref(self.config), *pointers,
-                                                query.size // self.config.head_dim, num_kv_heads, mask.size, cache_type)
+                                                query.size // self.config.head_dim, num_kv_heads, mask.size,
+                                                cache_type | (CACHE_KEY_BLOCKS if key_blocks else 0))
         if status != 0:
             raise ValueError(f"decode attention rejected the shapes (status {status})")
         return out
 
     def run_prefill(self, query: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray,
                     num_kv_heads: int, key_scales: np.ndarray | None = None,
-                    value_scales: np.ndarray | None = None) -> np.ndarray:
+                    value_scales: np.ndarray | None = None, key_blocks: bool = False) -> np.ndarray:
         """The prefill op on host arrays: query [T, H*D], keys/values [S, KVH*D] (float32, int8
-        codes or float16), mask [T, S] float32 -> [T, H*D]; row scales [KVH, S] as for `run`."""
+        codes or float16), mask [T, S] float32 -> [T, H*D]; row scales [KVH, S] and `key_blocks`
+        as for `run`."""
         query, keys, values, mask, key_scales, value_scales, cache_type = _host_arrays(
             query, keys, values, mask, num_kv_heads, key_scales, value_scales)
         if mask.ndim != 2:
@@ -324,7 +354,7 @@ class AttentionKernel:
         out = np.empty_like(query)
         pointers = (_pointer(a) for a in (query, keys, values, key_scales, value_scales, mask, out))
         status = self._lib.litekv_prefill_attention_run(ctypes.byref(self.config), *pointers, tokens, num_kv_heads,
-                                                        slots, cache_type)
+                                                        slots, cache_type | (CACHE_KEY_BLOCKS if key_blocks else 0))
         if status != 0:
             raise ValueError(f"prefill attention rejected the shapes (status {status})")
         return out
@@ -402,11 +432,11 @@ class AttentionKernel:
 
 def reference(query: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray, num_kv_heads: int,
               head_dim: int, threads: int = 1, int8_dot: bool = True, key_scales: np.ndarray | None = None,
-              value_scales: np.ndarray | None = None) -> np.ndarray:
+              value_scales: np.ndarray | None = None, key_blocks: bool = False) -> np.ndarray:
     """The kernel's arithmetic on host arrays, without LiteRT (for tests): see AttentionKernel.run."""
     kernel = AttentionKernel(head_dim, np.asarray(query).size // head_dim, np.asarray(mask).size, threads,
                              int8_dot=int8_dot)
     try:
-        return kernel.run(query, keys, values, mask, num_kv_heads, key_scales, value_scales)
+        return kernel.run(query, keys, values, mask, num_kv_heads, key_scales, value_scales, key_blocks)
     finally:
         kernel.release()

@@ -165,7 +165,52 @@ typedef struct {
     const Digits *digits;               /* int8_dot: the query's digits, made once per call */
     size_t head_stride; /* elements from one KV head's row to the next: D in a [S][KVH * D] cache (row =
                            KVH * D); S * D in ONNX Runtime's head-major [KVH][S][D] (row = D, float only) */
+    int key_blocks;     /* int8 keys stored in blocks of KEY_BLOCK_SLOTS slots (key_block_offset), not rows */
 } Job;
+
+/* Keys in blocks (Job.key_blocks): int8 codes of KEY_BLOCK_SLOTS consecutive slots, per dimension pair
+ * the block's slots side by side ([D / 2][KEY_BLOCK_SLOTS][2] per KV head), so one vpmaddwd against a
+ * broadcast pair of query words adds a pair of dimensions to the scores of all KEY_BLOCK_SLOTS slots, and
+ * no reduction tree ends a slot's dot product. A block holds every KV head's ([S / KEY_BLOCK_SLOTS][KVH]
+ * [D / 2][KEY_BLOCK_SLOTS][2] for a [S][KVH * D] cache, Job.row = KVH * D), or each KV head's blocks are
+ * contiguous (head-major, [KVH][S / KEY_BLOCK_SLOTS][...], Job.row = D). Slots: a multiple of KEY_BLOCK_SLOTS. */
+#define KEY_BLOCK_SLOTS 8
+
+/* The offset of slot s's block of KV head kv (the code of dimension c: + (c / 2) * 2 * KEY_BLOCK_SLOTS +
+ * (s % KEY_BLOCK_SLOTS) * 2 + c % 2). */
+INLINE size_t key_block_offset(size_t row, size_t head_stride, int head_dim, int s, int kv) {
+    const size_t head = head_stride == (size_t)head_dim ? (size_t)KEY_BLOCK_SLOTS * head_dim : head_stride;
+    return (size_t)(s / KEY_BLOCK_SLOTS) * KEY_BLOCK_SLOTS * row + (size_t)kv * head;
+}
+
+/* Or'ed into a cache type at the host-array entry points (litekv_attention_run and its kin): int8
+ * keys in blocks. */
+#define CACHE_KEY_BLOCKS 0x100
+
+INLINE size_t key_block_code(int s, int c) { return (size_t)(c / 2) * 2 * KEY_BLOCK_SLOTS + (size_t)(s % KEY_BLOCK_SLOTS) * 2 + c % 2; }
+
+/* Rows lo..hi of blocked int8 keys (key_block_offset) written as rows (Job.row, head_stride) to
+ * `rows`, at the same offsets a row cache puts them: for the paths that read rows. */
+INLINE void unblock_keys(int8_t *restrict rows, const int8_t *restrict blocks, size_t row, size_t head_stride,
+                         int head_dim, int kv_heads, int lo, int hi) {
+    for (int s = lo; s <= hi; s++)
+        for (int kv = 0; kv < kv_heads; kv++) {
+            const int8_t *block = blocks + key_block_offset(row, head_stride, head_dim, s, kv);
+            int8_t *out = rows + (size_t)s * row + (size_t)kv * head_stride;
+            for (int c = 0; c < head_dim; c++) out[c] = block[key_block_code(s, c)];
+        }
+}
+
+/* Rows (the same layout as unblock_keys reads) of slots lo..hi written into blocked keys. */
+INLINE void block_keys(int8_t *restrict blocks, const int8_t *restrict rows, size_t row, size_t head_stride,
+                       int head_dim, int kv_heads, int lo, int hi) {
+    for (int s = lo; s <= hi; s++)
+        for (int kv = 0; kv < kv_heads; kv++) {
+            int8_t *block = blocks + key_block_offset(row, head_stride, head_dim, s, kv);
+            const int8_t *in = rows + (size_t)s * row + (size_t)kv * head_stride;
+            for (int c = 0; c < head_dim; c++) block[key_block_code(s, c)] = in[c];
+        }
+}
 
 typedef struct {
     int lo, hi, first; /* slots lo..hi; their scores start at column `first` */
@@ -216,6 +261,7 @@ typedef struct {
     int first, window;
     const float *out_scales; /* [KVH][D]: each output row times its KV head's (an int8 cache's static
                                 value scales, on codes weighed as they are); NULL: none */
+    int key_blocks; /* int8 keys in blocks (Job.key_blocks) */
 } PrefillJob;
 
 int prefill_tasks(const PrefillJob *job);
@@ -260,6 +306,7 @@ void attend_part_int8_dot(const Job *job, Part *part);
 int litekv_decode_avx2(void); /* this CPU takes the AVX2 path (and tests allow it) */
 int litekv_decode_avx2_allow(int allow);
 void attend_part_avx2(const Job *job, Part *part); /* int8 codes as integers with Job.int8_dot */
+int avx2_reads_key_blocks(const Job *job);
 void avx2_query_words(const Job *job, Digits *out);
 #else
 #define LITEKV_AVX2 0

@@ -116,6 +116,8 @@ typedef struct {
     size_t linear_scratch_bytes;
     float *prefill_scratch[2]; /* the caller's and the helper's, made at the first prefill call */
     float *zero_mask;       /* max_slots zeros: the mask of a call given its span (ONNX Runtime's op) */
+    int8_t *unblocked;      /* keys in blocks as rows, for the paths that read rows (made at first use) */
+    size_t unblocked_bytes; /* max_slots x heads x D: room for any call's keys */
     int helper_running;
     const LentThreads *lent; /* the current call's threads in place of the helper (NULL: the helper's) */
     /* What the threads write while the other reads: each on its own cache line, away from the job
@@ -528,11 +530,43 @@ static void run_lent(const LentThreads *lent, LentWork *work) {
     if (lent->run(lent->pool, lent_worker, work)) lent_worker(work, 0);
 }
 
+/* Whether attend_part reads this job's keys in blocks (Job.key_blocks) as they are: the AVX2
+ * integer path. */
+static bool reads_key_blocks(const Job *job) {
+#if LITEKV_AVX2
+    return job->int8_dot == INT8_DOT_AVX2 && avx2_head_dim(job->head_dim) && litekv_decode_avx2() &&
+           avx2_reads_key_blocks(job);
+#else
+    (void)job;
+    return false;
+#endif
+}
+
+/* The scratch keys_as_rows writes, made by the entry points of calls with keys in blocks (so a
+ * failed allocation is their error, not a silent result). */
+static Status make_unblocked(State *st) {
+    if (!st->unblocked) st->unblocked = malloc(st->unblocked_bytes);
+    return st->unblocked ? STATUS_OK : STATUS_RUNTIME_FAILURE;
+}
+
+/* Keys in blocks rewritten as rows lo..hi into the state's scratch (make_unblocked), for a path
+ * that reads rows; returns them, laid out as the cache's rows would be. The entry points' checks
+ * bound the rows to the scratch (slots <= max_slots, KVH <= heads). */
+static const void *keys_as_rows(State *st, const void *keys, size_t row, size_t head_stride, int head_dim,
+                                int kv_heads, int lo, int hi) {
+    unblock_keys(st->unblocked, keys, row, head_stride, head_dim, kv_heads, lo, hi);
+    return st->unblocked;
+}
+
 static void compute(State *st, Job *job, int lo, int hi, float *out) {
     const size_t width = (size_t)job->heads * job->head_dim;
     if (lo > hi) {
         memset(out, 0, sizeof(float) * width);
         return;
+    }
+    if (job->key_blocks && !reads_key_blocks(job)) {
+        job->keys = keys_as_rows(st, job->keys, (size_t)job->row, job->head_stride, job->head_dim, job->kv_heads, lo, hi);
+        job->key_blocks = 0;
     }
 #if LITEKV_INT8_DOT
     if (job->int8_dot) {
@@ -553,15 +587,23 @@ static void compute(State *st, Job *job, int lo, int hi, float *out) {
     if (count == 1 && int8_codes(job->cache_type) && slots > SPLIT_SLOTS) count = 2;
     if (count > 1 && count % 2 && count < st->max_parts) count++;
     const int chunk = (slots + count - 1) / count;
-    count = (slots + chunk - 1) / chunk; /* no empty chunk at the end */
-    st->stat_chunks += (uint64_t)count;
-    for (int i = 0; i < count; i++) {
-        const int first = i * chunk, last = lo + first + chunk - 1;
-        st->parts[i] = (Part){lo + first, last < hi ? last : hi, first, st->acc + i * width,
-                              st->max + (size_t)i * job->heads, st->sum + (size_t)i * job->heads,
-                              st->numerators ? st->numerators + (size_t)i * job->heads * NUMERATOR_STRIDE : NULL,
-                              NUMERATOR_STRIDE};
+    int parts = 0;
+    for (int start = lo, i = 0; start <= hi; i++) {
+        int end = start + chunk; /* one past the chunk's last slot */
+        if (job->key_blocks) /* chunks cut between blocks, so only the span's ends cut one */
+            end = i + 1 >= count ? hi + 1
+                                 : (lo + (i + 1) * chunk + KEY_BLOCK_SLOTS / 2) / KEY_BLOCK_SLOTS * KEY_BLOCK_SLOTS;
+        if (end <= start) continue;
+        end = end > hi + 1 ? hi + 1 : end;
+        st->parts[parts] = (Part){start, end - 1, start - lo, st->acc + parts * width,
+                                  st->max + (size_t)parts * job->heads, st->sum + (size_t)parts * job->heads,
+                                  st->numerators ? st->numerators + (size_t)parts * job->heads * NUMERATOR_STRIDE
+                                                 : NULL,
+                                  NUMERATOR_STRIDE};
+        parts++, start = end;
     }
+    count = parts;
+    st->stat_chunks += (uint64_t)count;
     if (st->lent && count > 1) {
         LentWork work = lent_work(job, st->parts, NULL, count, &st->stat_lent_chunks);
         run_lent(st->lent, &work);
@@ -601,7 +643,14 @@ static void share(State *st, int count) {
 }
 
 /* A prefill chunk's attention, its tasks shared between the threads like a decode's chunks. */
-static Status compute_prefill(State *st, const PrefillJob *job) {
+static Status compute_prefill(State *st, const PrefillJob *given) {
+    PrefillJob rows = *given, *job = &rows;
+    if (job->key_blocks) { /* the prefill kernels read rows: a chunk's tokens share one rewrite */
+        if (make_unblocked(st) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
+        job->keys = keys_as_rows(st, job->keys, (size_t)job->row, job->head_stride, job->head_dim, job->kv_heads, 0,
+                                 job->slots - 1);
+        job->key_blocks = 0;
+    }
     if (!st->prefill_scratch[0]) { /* both or neither: the helper's only where it runs */
         const size_t bytes = (sizeof(float) * prefill_scratch_floats(job->heads, job->head_dim, st->max_slots) + 63) /
                              64 * 64;
@@ -662,6 +711,7 @@ static State *state_create(int heads, int head_dim, int max_slots, int threads, 
     if (!st) return NULL;
     const size_t width = (size_t)heads * head_dim;
     st->max_slots = max_slots;
+    st->unblocked_bytes = (size_t)max_slots * width;
 #if LITEKV_INT8_DOT
     st->vector_linears = int8_dot && linear_cpu_vector(); /* VNNI or AVX2; once: the linears run 121 times a step */
 #endif
@@ -719,6 +769,7 @@ static void state_destroy(State *st) {
     pthread_cond_destroy(&st->wake);
     free(st->scores), free(st->acc), free(st->max), free(st->parts), free(st->numerators), free(st->digit_bytes);
     free(st->prefill_scratch[0]), free(st->prefill_scratch[1]), free(st->linear_scratch), free(st->zero_mask);
+    free(st->unblocked);
     free(st);
 }
 
@@ -1081,7 +1132,10 @@ void litekv_attention_release(AttentionConfig *cfg) {
 int litekv_attention_run(AttentionConfig *cfg, const float *query, const void *keys, const void *values,
                          const float *key_scales, const float *value_scales, const float *mask, float *out, int heads,
                          int kv_heads, int slots, int cache_type) {
-    if (heads <= 0 || kv_heads <= 0 || slots <= 0 || !valid_cache_type(cache_type))
+    const int key_blocks = (cache_type & CACHE_KEY_BLOCKS) != 0;
+    cache_type &= ~CACHE_KEY_BLOCKS;
+    if (heads <= 0 || kv_heads <= 0 || slots <= 0 || !valid_cache_type(cache_type) ||
+        (key_blocks && (!int8_codes(cache_type) || slots % KEY_BLOCK_SLOTS)))
         return STATUS_INVALID_ARGUMENT;
     if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
     const size_t n = (size_t)slots * kv_heads * cfg->head_dim;
@@ -1089,6 +1143,8 @@ int litekv_attention_run(AttentionConfig *cfg, const float *query, const void *k
     State *st = cfg->state;
     Status status = make_job(&job, query, (size_t)heads * cfg->head_dim, keys, n, values, n, key_scales, value_scales,
                              (size_t)slots * kv_heads, cache_type, mask, (size_t)slots, cfg->head_dim, cfg->num_heads, st);
+    job.key_blocks = key_blocks;
+    if (status == STATUS_OK && key_blocks) status = make_unblocked(st);
     if (status == STATUS_OK) attend(st, &job, slots, out);
     return status;
 }
@@ -1098,7 +1154,10 @@ int litekv_attention_run(AttentionConfig *cfg, const float *query, const void *k
 int litekv_prefill_attention_run(AttentionConfig *cfg, const float *query, const void *keys, const void *values,
                                  const float *key_scales, const float *value_scales, const float *mask, float *out,
                                  int tokens, int kv_heads, int slots, int cache_type) {
-    if (tokens <= 0 || kv_heads <= 0 || slots <= 0 || !valid_cache_type(cache_type))
+    const int key_blocks = (cache_type & CACHE_KEY_BLOCKS) != 0;
+    cache_type &= ~CACHE_KEY_BLOCKS;
+    if (tokens <= 0 || kv_heads <= 0 || slots <= 0 || !valid_cache_type(cache_type) ||
+        (key_blocks && (!int8_codes(cache_type) || slots % KEY_BLOCK_SLOTS)))
         return STATUS_INVALID_ARGUMENT;
     if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
     const size_t nq = (size_t)tokens * cfg->num_heads * cfg->head_dim, nk = (size_t)slots * kv_heads * cfg->head_dim;
@@ -1106,6 +1165,7 @@ int litekv_prefill_attention_run(AttentionConfig *cfg, const float *query, const
     Status status = make_prefill_job(&job, query, nq, keys, nk, values, nk, key_scales, value_scales,
                                      (size_t)slots * kv_heads, cache_type, mask, (size_t)tokens * slots, out, nq,
                                      cfg->num_heads, cfg->head_dim, cfg->state);
+    job.key_blocks = key_blocks;
     return status == STATUS_OK ? compute_prefill(cfg->state, &job) : status;
 }
 
@@ -1118,8 +1178,11 @@ int litekv_prefill_attention_run(AttentionConfig *cfg, const float *query, const
 int litekv_attention_head_major(AttentionConfig *cfg, const float *query, const void *keys, const void *values,
                                 float *out, int heads, int kv_heads, int slots, int head_dim, int lo, int hi,
                                 int cache_type, const LentThreads *lent) {
+    const int key_blocks = (cache_type & CACHE_KEY_BLOCKS) != 0;
+    cache_type &= ~CACHE_KEY_BLOCKS;
     if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || heads > cfg->num_heads || head_dim != cfg->head_dim ||
-        slots <= 0 || lo < 0 || hi < lo || hi >= slots || (cache_type != CACHE_F32 && cache_type != CACHE_I8))
+        slots <= 0 || lo < 0 || hi < lo || hi >= slots || (cache_type != CACHE_F32 && cache_type != CACHE_I8) ||
+        (key_blocks && (cache_type != CACHE_I8 || slots % KEY_BLOCK_SLOTS)))
         return STATUS_INVALID_ARGUMENT;
     if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
     State *st = cfg->state;
@@ -1127,7 +1190,8 @@ int litekv_attention_head_major(AttentionConfig *cfg, const float *query, const 
     const int d = cfg->head_dim;
     Job job = {query, st->zero_mask, keys, values, NULL, NULL, slots, cache_type,
                cache_type == CACHE_I8 ? st->int8_dot : 0, heads, kv_heads, d, d, st->scores, st->max_slots, NULL,
-               (size_t)slots * d};
+               (size_t)slots * d, key_blocks};
+    if (key_blocks && make_unblocked(st) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
     st->lent = lent;
     attend_span(st, &job, lo, hi, out);
     st->lent = NULL;

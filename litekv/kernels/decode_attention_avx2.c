@@ -25,6 +25,11 @@
  * spilled sums. The floor at that shape: 7.6 cycles per 4 slots x 16 dimensions for the score loop
  * and 9 per 2 slots x 32 for the value loop on their own, about 18 cycles per slot and KV head in
  * all, against 35 measured (the rest: the trees, the softmax and the passes' overhead).
+ * Keys stored in blocks of slots (Job.key_blocks, attention_common.h) are scored without trees:
+ * per dimension pair, one vpmaddwd adds to 8 slots' scores (score_tile_blocks). On one thread a
+ * 2,048-slot call's scores took 28 us against 34 as rows; in all, a call took 0.94x as long from
+ * memory and 0.85-0.88x from cache (bench/attention_key_blocks.py; the pass is now bound by its
+ * 12 vpmaddwd and 12 vpaddd per slot and KV head, which rows need as well).
  * Passes take a tile of about 8 KB of rows at a time (each KV head's, each group of query heads'
  * in turn), so a tile's rows come from memory once and from L1 for the other passes. The part's
  * key rows, then its value rows, are prefetched as one stream, a tile ahead, spread evenly over the
@@ -349,6 +354,124 @@ KERNEL void score_tile(const Job *job, const Part *part, int type, int scaled, i
     }
 }
 
+/* The integer dot products of B blocks of keys (Job.key_blocks; block b at k + b * block_bytes) with
+ * G query heads' words (head g's at q + g * d): lane r of acc[g][b] is slot r of block b. Per pair
+ * of dimensions, each block's 16 codes are widened once and one vpmaddwd per head adds the pair to
+ * all 8 slots, against the pair's two query words broadcast: no reduction tree. */
+KERNEL void block_dots(const int8_t *k, size_t block_bytes, const int16_t *q, int d, int G, int B,
+                       __m256i acc[3][3]) {
+#pragma GCC unroll 3
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 3
+        for (int b = 0; b < B; b++) acc[g][b] = _mm256_setzero_si256();
+    for (int p = 0; p < d / 2; p++) {
+        __m256i codes[3];
+#pragma GCC unroll 3
+        for (int b = 0; b < B; b++)
+            codes[b] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(k + (size_t)b * block_bytes + 16 * p)));
+#pragma GCC unroll 3
+        for (int g = 0; g < G; g++) {
+            int32_t pair;
+            memcpy(&pair, q + (size_t)g * d + 2 * p, sizeof pair);
+            const __m256i words = _mm256_set1_epi32(pair);
+#pragma GCC unroll 3
+            for (int b = 0; b < B; b++) acc[g][b] = _mm256_add_epi32(acc[g][b], _mm256_madd_epi16(codes[b], words));
+        }
+    }
+}
+
+/* block_dots for 3 heads and 2 blocks, 4 dimension pairs per asm block: in C, GCC copied each of
+ * the 6 sums to another register and back every pair. */
+KERNEL void block_dots3x2(const int8_t *k, size_t block_bytes, const int16_t *q, int d, __m256i acc[3][3]) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+    const size_t qstride = (size_t)d * sizeof *q;
+#define PAIR(key, word)                                          \
+    "vpmovsxbw " key "(%6), %%ymm12\n\t"                          \
+    "vpmovsxbw " key "(%6,%7), %%ymm13\n\t"                       \
+    "vpbroadcastd " word "(%8), %%ymm14\n\t"                      \
+    "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\t"                      \
+    "vpaddd %%ymm15, %0, %0\n\t"                                  \
+    "vpmaddwd %%ymm14, %%ymm13, %%ymm14\n\t"                      \
+    "vpaddd %%ymm14, %1, %1\n\t"                                  \
+    "vpbroadcastd " word "(%8,%9), %%ymm14\n\t"                   \
+    "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\t"                      \
+    "vpaddd %%ymm15, %2, %2\n\t"                                  \
+    "vpmaddwd %%ymm14, %%ymm13, %%ymm14\n\t"                      \
+    "vpaddd %%ymm14, %3, %3\n\t"                                  \
+    "vpbroadcastd " word "(%8,%9,2), %%ymm14\n\t"                 \
+    "vpmaddwd %%ymm14, %%ymm12, %%ymm12\n\t"                      \
+    "vpaddd %%ymm12, %4, %4\n\t"                                  \
+    "vpmaddwd %%ymm14, %%ymm13, %%ymm13\n\t"                      \
+    "vpaddd %%ymm13, %5, %5\n\t"
+    for (int p = 0; p < d / 2; p += 4)
+        __asm__(PAIR("0", "0") PAIR("16", "4") PAIR("32", "8") PAIR("48", "12")
+                : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5)
+                : "r"(k + 16 * (size_t)p), "r"(block_bytes), "r"(q + 2 * p), "r"(qstride)
+                : "xmm12", "xmm13", "xmm14", "xmm15", "memory");
+#undef PAIR
+    acc[0][0] = a0, acc[0][1] = a1, acc[1][0] = a2, acc[1][1] = a3, acc[2][0] = a4, acc[2][1] = a5;
+}
+
+/* score_tile over keys in blocks (Job.key_blocks), int8 codes as integers: the masked scores of
+ * slots part->lo + t0 .. + rows - 1, B blocks at a time. A block that the span cuts (its first or
+ * last) is computed whole and stored lane by lane, in the span only. */
+KERNEL void score_tile_blocks(const Job *job, const Part *part, int scaled, int kv, int h0, int G, int B, int t0,
+                              int rows, Stream *st, Share *sh, float *tops) {
+    const int d = job->head_dim, first = part->lo + t0, end = first + rows;
+    const size_t block_bytes = (size_t)KEY_BLOCK_SLOTS * job->row, stride = (size_t)job->stride;
+    const int8_t *keys = (const int8_t *)job->keys;
+    const float *kscale = scaled ? job->key_scales + (size_t)kv * job->scale_stride : NULL;
+    float *sc = job->scores + (size_t)h0 * stride + part->first; /* column i: slot part->lo + i */
+    const int16_t *words = job->digits->words + (size_t)h0 * d;
+    __m256 unit[3], top[3];
+#pragma GCC unroll 3
+    for (int g = 0; g < G; g++) {
+        unit[g] = _mm256_set1_ps(job->digits->unit[h0 + g]);
+        top[g] = _mm256_loadu_ps(tops + 8 * (h0 + g));
+    }
+    for (int s = first / KEY_BLOCK_SLOTS * KEY_BLOCK_SLOTS; s < end;) {
+        const int whole = s >= first && s + B * KEY_BLOCK_SLOTS <= end, blocks = whole ? B : 1;
+        share_step(st, sh);
+        __m256i acc[3][3];
+        const int8_t *k = keys + key_block_offset((size_t)job->row, job->head_stride, d, s, kv);
+        if (whole && G == 3 && B == 2)
+            block_dots3x2(k, block_bytes, words, d, acc);
+        else if (whole)
+            block_dots(k, block_bytes, words, d, G, B, acc);
+        else
+            block_dots(k, block_bytes, words, d, G, 1, acc);
+        for (int b = 0; b < blocks; b++, s += KEY_BLOCK_SLOTS) {
+            const int in_span = s >= first && s + KEY_BLOCK_SLOTS <= end;
+            const __m256 m = in_span ? _mm256_loadu_ps(job->mask + s) : _mm256_setzero_ps();
+            const __m256 scale = scaled && in_span ? _mm256_loadu_ps(kscale + s) : _mm256_set1_ps(1.0f);
+#pragma GCC unroll 3
+            for (int g = 0; g < G; g++) {
+                const __m256 sum = _mm256_cvtepi32_ps(acc[g][b]);
+                if (in_span) {
+                    const __m256 score = _mm256_fmadd_ps(sum, scaled ? _mm256_mul_ps(unit[g], scale) : unit[g], m);
+                    _mm256_storeu_ps(sc + g * stride + (s - part->lo), score);
+                    top[g] = _mm256_max_ps(top[g], score);
+                    continue;
+                }
+                float lanes[8], best[8]; /* the vector path's arithmetic, lane by lane */
+                _mm256_storeu_ps(lanes, sum);
+                _mm256_storeu_ps(best, top[g]);
+                const float u = _mm256_cvtss_f32(unit[g]);
+                for (int r = 0; r < KEY_BLOCK_SLOTS; r++) {
+                    const int slot = s + r;
+                    if (slot < first || slot >= end) continue;
+                    const float score = __builtin_fmaf(lanes[r], scaled ? u * kscale[slot] : u, job->mask[slot]);
+                    sc[g * stride + (slot - part->lo)] = score;
+                    best[r] = score > best[r] ? score : best[r];
+                }
+                top[g] = _mm256_loadu_ps(best);
+            }
+        }
+    }
+#pragma GCC unroll 3
+    for (int g = 0; g < G; g++) _mm256_storeu_ps(tops + 8 * (h0 + g), top[g]);
+}
+
 /* score_tile for G query heads, in a function of its own (per cache type, as `type` is constant
  * where it is called): inlined into the loops over tiles and heads, GCC ran out of general
  * registers for the pointers and kept them on the stack. Without tree-PRE, as in
@@ -358,15 +481,18 @@ KERNEL void score_tile(const Job *job, const Part *part, int type, int scaled, i
 PASS score_pass(const Job *job, const Part *part, int type, int kv, int h0, int G, int t0, int rows, Stream *st,
                 Share *sh, float *tops) {
     const int scaled = job->key_scales != NULL;
-#define SCORE_TILE(G, S)                                                                                  \
-    (scaled ? score_tile(job, part, type, 1, kv, h0, G, S, t0, rows, st, sh, tops)                      \
-            : score_tile(job, part, type, 0, kv, h0, G, S, t0, rows, st, sh, tops))
+    /* S slots a step as rows, B blocks a step as blocks (3 heads: 2 blocks, 6 sums in registers) */
+#define SCORE_TILE(G, S, B)                                                                               \
+    (job->key_blocks ? (scaled ? score_tile_blocks(job, part, 1, kv, h0, G, B, t0, rows, st, sh, tops)    \
+                               : score_tile_blocks(job, part, 0, kv, h0, G, B, t0, rows, st, sh, tops))   \
+     : scaled        ? score_tile(job, part, type, 1, kv, h0, G, S, t0, rows, st, sh, tops)               \
+                     : score_tile(job, part, type, 0, kv, h0, G, S, t0, rows, st, sh, tops))
     if (G == 3)
-        SCORE_TILE(3, 4);
+        SCORE_TILE(3, 4, 2);
     else if (G == 2)
-        SCORE_TILE(2, 4);
+        SCORE_TILE(2, 4, 3);
     else
-        SCORE_TILE(1, 8);
+        SCORE_TILE(1, 8, 3);
 #undef SCORE_TILE
 }
 
@@ -377,6 +503,24 @@ KERNEL void scores(const Job *job, const Part *part, int type, Stream *st, float
     const int group = job->heads / job->kv_heads, n = part->hi - part->lo + 1, S = group == 1 ? 8 : 4;
     const int passes = job->kv_heads * head_passes(group);
     stream_to(st, st->lead); /* the first rows: the part's loads wait for these */
+    if (job->key_blocks) {
+        /* Tiles end on block boundaries, so only the part's ends cut a block, and hold pairs of
+         * blocks, so none is left to take alone (40-slot tiles left every fifth). */
+        const int tile = (st->tile + KEY_BLOCK_SLOTS) / (2 * KEY_BLOCK_SLOTS) * (2 * KEY_BLOCK_SLOTS);
+        for (int t0 = 0; t0 < n;) {
+            const int next = (part->lo + t0) / KEY_BLOCK_SLOTS * KEY_BLOCK_SLOTS + tile - part->lo;
+            const int rows = (next < n ? next : n) - t0, steps = (rows + 2 * KEY_BLOCK_SLOTS - 1) / KEY_BLOCK_SLOTS;
+            Share sh = share(st, t0, rows, passes * steps);
+            for (int kv = 0; kv < job->kv_heads; kv++)
+                for (int g0 = 0; g0 < group;) {
+                    const int G = heads_at_once(group - g0);
+                    score_pass(job, part, INT8_WORDS, kv, kv * group + g0, G, t0, rows, st, &sh, tops);
+                    g0 += G;
+                }
+            t0 += rows;
+        }
+        return;
+    }
     for (int t0 = 0; t0 < n; t0 += st->tile) {
         const int rows = n - t0 < st->tile ? n - t0 : st->tile, steps = (rows + S - 1) / S;
         Share sh = share(st, t0, rows, passes * steps);
@@ -665,6 +809,12 @@ TARGET void avx2_query_words(const Job *job, Digits *out) {
         for (int j = 0; j < d; j++) words[j] = (int16_t)__builtin_lrintf(q[j] * step);
         out->unit[h] = top / 32767.0f;
     }
+}
+
+/* Whether attend_part_avx2 reads this job's keys in blocks itself (else they must come as rows). */
+TARGET int avx2_reads_key_blocks(const Job *job) {
+    return job->int8_dot && int8_codes(job->cache_type) &&
+           atomic_load_explicit(&avx2_allowed, memory_order_relaxed) == 1;
 }
 
 TARGET void attend_part_avx2(const Job *job, Part *part) {

@@ -1,0 +1,166 @@
+"""int8 keys stored in blocks of slots (native_attention.block_keys, attention_common.h's
+key_block_offset): the AVX2 integer path scores them in place, every other path reads them as rows
+rewritten into scratch. Either way a call gives what the same keys as rows give."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from litekv import native_attention
+from test_decode_attention_kernel import (MASKED, avx2_path, avx2_switch, cache_case, head_major_attention,
+                                          numpy_attention, quantize_rows)
+
+pytestmark = pytest.mark.skipif(not native_attention.available(),
+                                reason="litekv's decode-attention kernel is not built (no C compiler at install)")
+
+BLOCK = native_attention.KEY_BLOCK
+
+SHAPES = [  # heads, kv_heads, head_dim, slots (a multiple of the block), live, window
+    (9, 3, 64, 2048, 2048, None),   # SmolLM2 at 2,048 slots: two chunks of whole blocks
+    (9, 3, 64, 512, 301, None),     # the span ends inside a block
+    (4, 1, 256, 208, 190, 77),      # a group of 4 (2 + 2 heads), a window: both ends inside blocks
+    (8, 2, 128, 456, 433, None),    # two chunks
+    (10, 2, 64, 104, 98, 31),       # a group of 5 (3 + 2)
+    (6, 6, 64, 80, 77, None),       # no grouping
+    (2, 2, 128, 16, 13, None),      # fewer live slots than two blocks
+    (4, 4, 32, 48, 37, None),       # head_dim 32
+    (7, 1, 96, 392, 389, 300),      # a group of 7 (3 + 2 + 2), head_dim 96
+]
+
+
+def blocked(keys: np.ndarray, kv_heads: int, head_dim: int) -> np.ndarray:
+    """Keys [S, KVH*D] in block order, as the kernel takes them."""
+    slots = keys.shape[0]
+    return native_attention.block_keys(keys.reshape(slots, kv_heads, head_dim)).reshape(slots, -1)
+
+
+def test_a_block_holds_each_dimension_pair_of_its_slots_side_by_side():
+    """Slot s, KV head h, dimension c of a [S, KVH*D] cache at (s // 8) * 8 * KVH * D + h * 8 * D +
+    (c // 2) * 16 + (s % 8) * 2 + c % 2: the offset the C kernels compute."""
+    slots, kv_heads, head_dim = 24, 3, 8
+    rows = np.arange(slots * kv_heads * head_dim).astype(np.int8).reshape(slots, kv_heads, head_dim)
+    flat = native_attention.block_keys(rows).reshape(-1)
+    for s in range(slots):
+        for h in range(kv_heads):
+            for c in range(head_dim):
+                at = (s // BLOCK) * BLOCK * kv_heads * head_dim + h * BLOCK * head_dim + (c // 2) * 2 * BLOCK + \
+                    (s % BLOCK) * 2 + c % 2
+                assert flat[at] == rows[s, h, c]
+
+
+@pytest.mark.parametrize("shape", [(16, 3, 64), (2, 40, 1, 32), (1, 8, 2, 2)])
+def test_unblocking_gives_the_rows_back(shape):
+    rows = np.random.default_rng(0).integers(-127, 128, shape, dtype=np.int8)
+    blocks = native_attention.block_keys(rows)
+    assert blocks.shape == rows.shape and not np.array_equal(blocks, rows)
+    np.testing.assert_array_equal(native_attention.unblock_keys(blocks), rows)
+
+
+PATHS = {  # name -> (int8_dot, litekv_decode_avx2_allow): which code reads the blocks
+    "avx2 integer": (True, 1),  # scores the blocks in place
+    "avx2 widened": (True, 2),  # rows rewritten into scratch, codes widened to floats
+    "portable": (True, 0),
+    "no integer dot products": (False, 1),
+}
+
+
+@pytest.fixture(params=list(PATHS), ids=list(PATHS))
+def path(request):
+    int8_dot, allow = PATHS[request.param]
+    switch = avx2_switch()
+    if allow != 1 and not (switch and switch(1)):
+        pytest.skip("no AVX2 path on this CPU to switch away from")
+    if switch:
+        switch(allow)
+    yield request.param, int8_dot
+    if switch:
+        switch(1)
+
+
+@pytest.mark.parametrize("cache", ["int8", "int8_rows"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, slots, live, window", SHAPES)
+@pytest.mark.parametrize("threads", [1, 2], ids=["one thread", "two threads"])
+def test_blocked_keys_attend_as_the_same_keys_in_rows(path, cache, heads, kv_heads, head_dim, slots, live, window,
+                                                      threads):
+    """Against the row layout on the same path: the same result where the blocks are rewritten as
+    rows, and the same integer sums in another order of float rounding where they are scored in
+    place; both within the integer path's tolerance of float64 numpy."""
+    name, int8_dot = path
+    q, k, v, m, ks, vs, keys, values = cache_case(cache, heads, kv_heads, head_dim, slots, live, window, seed=11)
+    rows = native_attention.reference(q, k, v, m, kv_heads, head_dim, threads, int8_dot, ks, vs)
+    got = native_attention.reference(q, blocked(k, kv_heads, head_dim), v, m, kv_heads, head_dim, threads, int8_dot,
+                                     ks, vs, key_blocks=True)
+    if name == "avx2 integer":  # chunks cut between blocks: the 15-bit numerators round per chunk
+        np.testing.assert_allclose(got, rows, atol=4e-4 * float(np.abs(rows).max()), rtol=1e-4)
+    else:
+        np.testing.assert_array_equal(got, rows)
+    expected = numpy_attention(q, keys, values, m, kv_heads, head_dim)
+    np.testing.assert_allclose(got, expected, atol=4e-4 * max(1.0, float(np.abs(expected).max())), rtol=1e-4)
+
+
+@avx2_path
+@pytest.mark.parametrize("cache", ["int8", "int8_rows"])
+def test_blocked_keys_take_soft_masks_and_masked_holes(cache):
+    q, k, v, m, ks, vs, keys, values = cache_case(cache, 9, 3, 64, 904, 861, seed=5)
+    m[:861] = np.linspace(-4, 1, 861, dtype=np.float32)
+    m[5:800:7] = MASKED
+    got = native_attention.reference(q, blocked(k, 3, 64), v, m, 3, 64, 2, True, ks, vs, key_blocks=True)
+    expected = numpy_attention(q, keys, values, m, 3, 64)
+    np.testing.assert_allclose(got, expected, atol=4e-4 * max(1.0, float(np.abs(expected).max())), rtol=1e-4)
+
+
+@avx2_path
+@pytest.mark.parametrize("lo, hi", [(0, 0), (3, 202), (17, 1000), (0, 1023)])
+@pytest.mark.parametrize("threads", [1, 2], ids=["one thread", "two threads"])
+def test_blocked_keys_of_a_head_major_cache(lo, hi, threads):
+    """ONNX Runtime's [KVH][S][D] layout: each KV head's blocks contiguous ([KVH, S, 1, D] blocked)."""
+    heads, kv_heads, head_dim, slots = 9, 3, 64, 1024
+    q, k, v, _, _, _, keys, values = cache_case("int8", heads, kv_heads, head_dim, slots, slots, seed=lo)
+    k, v = (np.ascontiguousarray(x.reshape(slots, kv_heads, head_dim).transpose(1, 0, 2)) for x in (k, v))
+    k_blocks = native_attention.block_keys(k.reshape(kv_heads, slots, 1, head_dim)).reshape(k.shape)
+    q = np.ascontiguousarray(q, np.float32)
+    kernel = native_attention.AttentionKernel(head_dim, heads, slots, threads)
+    try:
+        rows = head_major_attention(kernel, q, k, v, lo, hi, 1)
+        got = head_major_attention(kernel, q, k_blocks, v, lo, hi, 1 | native_attention.CACHE_KEY_BLOCKS)
+    finally:
+        kernel.release()
+    np.testing.assert_allclose(got, rows, atol=1e-5 * float(np.abs(rows).max()), rtol=1e-5)
+    m = np.full(slots, MASKED, np.float32)
+    m[lo:hi + 1] = 0.0
+    expected = numpy_attention(q, keys, values, m, kv_heads, head_dim)
+    np.testing.assert_allclose(got, expected, atol=4e-4 * max(1.0, float(np.abs(expected).max())), rtol=1e-4)
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["int8", "int8_rows"])
+def test_a_prefill_chunk_reads_blocked_keys(scaled):
+    """The prefill kernels read rows: the blocks are rewritten once per chunk, the result unchanged."""
+    rng = np.random.default_rng(3)
+    tokens, heads, kv_heads, head_dim, slots = 37, 9, 3, 64, 264
+    q = rng.standard_normal((tokens, heads * head_dim)).astype(np.float32) / 8
+    k, v = (rng.standard_normal((slots, kv_heads * head_dim)).astype(np.float32) for _ in range(2))
+    if scaled:
+        (k, ks), (v, vs) = quantize_rows(k, kv_heads, head_dim), quantize_rows(v, kv_heads, head_dim)
+    else:
+        (k, v), ks, vs = (np.clip(np.rint(x * 40), -127, 127).astype(np.int8) for x in (k, v)), None, None
+    start = 200  # the chunk's tokens at slots 200..236, each seeing the slots before it
+    mask = np.full((tokens, slots), MASKED, np.float32)
+    for t in range(tokens):
+        mask[t, :start + t + 1] = 0.0
+    kernel = native_attention.AttentionKernel(head_dim, heads, slots, 2)
+    try:
+        rows = kernel.run_prefill(q, k, v, mask, kv_heads, ks, vs)
+        got = kernel.run_prefill(q, blocked(k, kv_heads, head_dim), v, mask, kv_heads, ks, vs, key_blocks=True)
+    finally:
+        kernel.release()
+    np.testing.assert_array_equal(got, rows)
+
+
+def test_blocked_keys_must_be_int8_codes_of_whole_blocks():
+    q, k, v, m, _, _, _, _ = cache_case("int8", 9, 3, 64, 64, 64)
+    with pytest.raises(ValueError, match="rejected"):
+        native_attention.reference(q, k.astype(np.float32), v.astype(np.float32), m, 3, 64, key_blocks=True)
+    with pytest.raises(ValueError, match="rejected"):
+        native_attention.reference(q, k[:60], v[:60], m[:60], 3, 64, key_blocks=True)
