@@ -208,6 +208,15 @@ class ConvertOptions:
         return self.kv_format == "int8-row"
 
     @property
+    def kv_key_blocks(self) -> bool:
+        """An ONNX int8 cache whose keys litekv's attention ops keep in blocks of slots (kv_layout
+        BHSD_KB8): the decode kernel scores a block without reduction trees, a 2,048-slot call in
+        0.87-0.94x the time (bench/PERFORMANCE.md, twenty-fourth round). Only where no
+        GroupQueryAttention reads the cache."""
+        return (self.backend == "onnx" and self.kv_format == "int8" and self.attention_kind == "kernel"
+                and self.prefill_attention_kind == "kernel" and self.max_context % 8 == 0)
+
+    @property
     def kv_dtype(self) -> str:
         """The cache tensors' dtype (Manifest.kv_dtype)."""
         return KV_CACHE_DTYPES[self.kv_format]
@@ -443,7 +452,8 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         # The plain graph always; a LoRA-ready bundle adds a LoRA graph over the same weight file, so
         # running without an adapter costs exactly what a model converted without LoRA costs.
         linears = options.linears_kind
-        attention = dict(decode_attention=options.attention_kind, prefill_attention=options.prefill_attention_kind)
+        attention = dict(decode_attention=options.attention_kind, prefill_attention=options.prefill_attention_kind,
+                         key_blocks=options.kv_key_blocks)
         model, _ = emit_onnx(cfg, ckpt.weights, plan, None, options.max_context, kv_scales=kv_scales,
                              kv_dtype=options.kv_dtype, decode_linears=linears,
                              prefill_linears=options.prefill_linears_kind, **attention)
@@ -475,7 +485,8 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
                                     options.max_context, lora, tuple(i.name for i in g.graph.input),
                                     tuple(o.name for o in g.graph.output))
                       for name, g, lora in graphs)
-        model_file, layout, lora_layout = "model.onnx", "BHSD", ONNX_LORA_LAYOUT
+        model_file, lora_layout = "model.onnx", ONNX_LORA_LAYOUT
+        layout = "BHSD_KB8" if options.kv_key_blocks else "BHSD"
     tok = ckpt.tokenizer
     return Manifest(
         backend=options.backend, model_file=model_file, config=cfg, max_context=options.max_context,

@@ -40,8 +40,9 @@ class OnnxOps(GraphOps):
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan, sig: Signature,
                  lora: LoraSpec | None, tables, kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
                  kv_dtype: str = "float32", decode_linears: str = "graph", step_graph: bool = False,
-                 attention: str = "graph", prefill_linears: str = "graph"):
+                 attention: str = "graph", prefill_linears: str = "graph", key_blocks: bool = False):
         super().__init__(cfg, weights, plan, sig, lora, tables)
+        self.key_blocks = key_blocks  # litekv's Int8 attention ops keep the keys in blocks of slots
         # "kernel": this graph attends in litekv's op (DecodeAttention in the step graph, else
         # PrefillAttention; their Int8 forms over an int8 cache) over the cache GroupQueryAttention
         # would read
@@ -455,9 +456,12 @@ class OnnxOps(GraphOps):
             inputs.pop()
         op = ("DecodeAttention" if self.step_graph else "PrefillAttention") + ("Int8" if int8 else "")
         out, present_k, present_v = (self._name("attn"), f"present_key_{layer}", f"present_value_{layer}")
+        blocks = {"key_blocks": 1} if self.key_blocks else {}
+        if self.key_blocks and not int8:
+            raise ValueError("keys in blocks need litekv's Int8 attention ops (an int8 cache)")
         self.nodes.append(helper.make_node(
             op, inputs, [out, present_k, present_v], domain=KERNEL_DOMAIN, num_heads=cfg.num_heads,
-            kv_num_heads=cfg.num_kv_heads, scale=float(scale), local_window_size=window if window else -1))
+            kv_num_heads=cfg.num_kv_heads, scale=float(scale), local_window_size=window if window else -1, **blocks))
         for name in (present_k, present_v):
             self.outputs.append(helper.make_tensor_value_info(name, _ONNX_DTYPE[self.kv_dtype], list(kv_shape)))
         return Sym(out, (1, T_DIM, cfg.num_heads * cfg.head_dim))
@@ -572,18 +576,19 @@ def emit_onnx(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPl
               kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
               kv_dtype: str = "float32", decode_linears: str = "graph", step_graph: bool = False,
               decode_attention: str = "graph", prefill_attention: str = "graph",
-              prefill_linears: str = "graph") -> onnx.ModelProto:
+              prefill_linears: str = "graph", key_blocks: bool = False) -> onnx.ModelProto:
     """Trace the architecture once into an ONNX model with a dynamic token axis; with
     `kv_scales` (see kv_calibration) the KV cache is int8, else of `kv_dtype` (float32 or float16).
     decode_linears="kernel": one-row quantized projections run in litekv's ops, and with
     `step_graph` (the graph for decode steps) every int4 projection does. decode_attention /
     prefill_attention="kernel": the step graph / the other attends in litekv's ops.
-    prefill_linears="kernel": a chunk's int4 projections run in litekv's LinearInt4 as well."""
+    prefill_linears="kernel": a chunk's int4 projections run in litekv's LinearInt4 as well.
+    key_blocks: litekv's Int8 attention ops keep the keys in blocks of slots (kv_layout BHSD_KB8)."""
     weights = dict(weights)
     weights.setdefault("lm_head.weight", weights["embed.weight"])
     sig = Signature("decode" if step_graph else "model", T_DIM, max_context, lora=lora is not None)
     ops = OnnxOps(cfg, weights, plan, sig, lora, rope_tables(cfg, max_context), kv_scales, kv_dtype, decode_linears,
-                  step_graph, decode_attention if step_graph else prefill_attention, prefill_linears)
+                  step_graph, decode_attention if step_graph else prefill_attention, prefill_linears, key_blocks)
     ops.begin(max_context)
     model = ops.finish(architecture(cfg.architecture).forward(ops, cfg))
     if progress:

@@ -5,6 +5,9 @@ backend's kernels read (`BSHD` = [batch, slot, kv_head, dim] for TFLite, `BHSD` 
 GroupQueryAttention); everything public (views, serialization, copies between caches) speaks the
 canonical [batch, token, kv_head, dim] order, so a cache moves between backends.
 
+With `BHSD_KB8` the keys' bytes are in blocks of slots (KEY_BLOCK_SLOTS) for the decode kernel; the
+canonical views, copies and serialization convert them, so such views are copies.
+
 An int8 cache either holds codes of static scales that the model carries, or (`row_scales`) codes
 with a float32 scale per token and KV head, kept beside them in [batch, kv_head, slot] buffers (as
 the kernels read them) that every copy, view and serialization carries along, in the canonical
@@ -24,7 +27,11 @@ import numpy as np
 from litekv.errors import ConfigError, LitekvError
 from litekv.flat_tables import FlatTableError, build, parse
 
-LAYOUTS = ("BSHD", "BHSD")
+LAYOUTS = ("BSHD", "BHSD", "BHSD_KB8")
+# BHSD_KB8: BHSD whose int8 keys are stored in blocks of KEY_BLOCK_SLOTS slots, per KV head each
+# dimension pair's codes of the block's slots side by side (litekv/kernels/attention_common.h), which
+# litekv's decode kernel scores without reduction trees. Values stay BHSD.
+KEY_BLOCK_SLOTS = 8
 BLOCK_SIZE = 16  # tokens per block in `block_table`
 ALIGNMENT = 64  # LiteRT binds host memory zero-copy only when 64-byte aligned
 # A layer of SmolLM2's int8 cache at 4,096 slots is 786 KB: it must be a map too, or heap reuse
@@ -112,6 +119,9 @@ class KVCache:
             raise ConfigError("KV cache dimensions and batch size must be positive.")
         if row_scales and (np.dtype(dtype) != np.int8 or layout != "BSHD"):
             raise ConfigError(f"scales per row go with an int8 cache in BSHD layout, not {dtype} in {layout}.")
+        if layout == "BHSD_KB8" and (np.dtype(dtype) != np.int8 or capacity % KEY_BLOCK_SLOTS or head_dim % 2):
+            raise ConfigError(f"keys in blocks (BHSD_KB8) need int8 codes, a capacity that is a multiple of "
+                              f"{KEY_BLOCK_SLOTS} and an even head_dim, not {dtype}, {capacity} and {head_dim}.")
         shape = ((batch_size, capacity, num_kv_heads, head_dim) if layout == "BSHD"
                  else (batch_size, num_kv_heads, capacity, head_dim))
         scales = (lambda: [_row_scale_buffer(batch_size, num_kv_heads, capacity) for _ in range(num_layers)]) \
@@ -132,6 +142,11 @@ class KVCache:
     @property
     def layout(self) -> str:
         return self._s.layout
+
+    @property
+    def key_blocks(self) -> bool:
+        """Whether the key buffers hold their codes in blocks of slots (layout BHSD_KB8)."""
+        return self._s.layout == "BHSD_KB8"
 
     @property
     def num_layers(self) -> int:
@@ -189,6 +204,12 @@ class KVCache:
 
     # ---- access -----------------------------------------------------------------------------------
     def key_cache(self, layer: int) -> np.ndarray:
+        if self.key_blocks:  # rows exist only as a copy
+            self._check_valid()
+            view = self._read(self._s.keys[layer], slice(None), self.num_tokens, blocked=True)
+            view.flags.writeable = False
+            self._s.last_access = time.time()
+            return view
         return self._valid_view(self._s.keys[layer])
 
     def value_cache(self, layer: int) -> np.ndarray:
@@ -224,7 +245,8 @@ class KVCache:
         return [self._s.keys, self._s.values] + ([self._s.key_scales, self._s.value_scales] if self.row_scales else [])
 
     def raw_keys(self, layer: int) -> np.ndarray:
-        """The whole buffer in backend layout, for executors (writable)."""
+        """The whole buffer in backend layout, for executors (writable; with key_blocks, its bytes
+        are blocks)."""
         self._check_valid()
         return self._s.keys[layer]
 
@@ -255,6 +277,37 @@ class KVCache:
         if buf.ndim == 3:  # row scales [batch, kv_head, slot]
             return buf[rows, :, :n].swapaxes(-2, -1)
         return buf[rows, :n] if self.layout == "BSHD" else buf[rows, :, :n].swapaxes(-3, -2)
+
+    def _read(self, buf: np.ndarray, rows: slice | int, n: int, blocked: bool) -> np.ndarray:
+        """Canonical [rows, n, KVH, D] of the first n tokens of a buffer (a view, or with `blocked` keys a
+        copy of the blocks rewritten as rows)."""
+        if not blocked:
+            return self._canonical(buf, rows, n)
+        return self._canonical(self._key_rows(buf, -(-n // KEY_BLOCK_SLOTS)), rows, n)
+
+    def _write(self, buf: np.ndarray, rows: slice | int, n: int, data: np.ndarray, blocked: bool) -> None:
+        """Canonical data [rows, n, KVH, D] into the first n tokens of a buffer; with `blocked` keys the
+        blocks they touch are rewritten (slots past n in the last block keep their codes)."""
+        if not blocked:
+            self._canonical(buf, rows, n)[...] = data
+            return
+        count = -(-n // KEY_BLOCK_SLOTS)
+        as_rows = self._key_rows(buf, count)
+        self._canonical(as_rows, rows, n)[...] = data
+        self._block_view(buf, count)[...] = as_rows.reshape(self._block_view(buf, count).shape)
+
+    @staticmethod
+    def _block_view(buf: np.ndarray, count: int) -> np.ndarray:
+        """The first `count` blocks of a BHSD_KB8 key buffer [B, KVH, S, D], as a writable view
+        [B, KVH, count, slot, D / 2, 2]."""
+        b, heads, slots, dim = buf.shape
+        blocks = buf.reshape(b, heads, slots // KEY_BLOCK_SLOTS, dim // 2, KEY_BLOCK_SLOTS, 2)
+        return blocks[:, :, :count].transpose(0, 1, 2, 4, 3, 5)
+
+    def _key_rows(self, buf: np.ndarray, count: int) -> np.ndarray:
+        """The first `count` blocks of a key buffer as BHSD rows [B, KVH, count * slots, D] (a copy)."""
+        b, heads, _, dim = buf.shape
+        return np.ascontiguousarray(self._block_view(buf, count)).reshape(b, heads, count * KEY_BLOCK_SLOTS, dim)
 
     def _check_valid(self) -> None:
         if self._s.released:
@@ -294,18 +347,21 @@ class KVCache:
         if not 0 <= batch_index < other.batch_size:
             raise KVCacheError(f"batch index {batch_index} is outside 0..{other.batch_size - 1}.")
         n = other.num_tokens
-        for mine, theirs in zip(self._buffer_lists(), other._buffer_lists()):
+        for kind, (mine, theirs) in enumerate(zip(self._buffer_lists(), other._buffer_lists())):
             for dst, src in zip(mine, theirs):
-                self._canonical(dst, 0, n)[...] = other._canonical(src, batch_index, n)
+                self._write(dst, slice(0, 1), n, other._read(src, slice(batch_index, batch_index + 1), n,
+                                                             kind == 0 and other.key_blocks), kind == 0 and self.key_blocks)
         self.set_num_tokens(n)
 
     def broadcast_and_copy_from(self, other: "KVCache") -> None:
         """other[0] -> every batch row of this cache (valid tokens only)."""
         self._check_compatible(other)
         n = other.num_tokens
-        for mine, theirs in zip(self._buffer_lists(), other._buffer_lists()):
+        for kind, (mine, theirs) in enumerate(zip(self._buffer_lists(), other._buffer_lists())):
             for dst, src in zip(mine, theirs):
-                self._canonical(dst, slice(None), n)[...] = other._canonical(src, slice(0, 1), n)
+                source = other._read(src, slice(0, 1), n, kind == 0 and other.key_blocks)
+                self._write(dst, slice(None), n, np.broadcast_to(source, (self.batch_size, *source.shape[1:])),
+                            kind == 0 and self.key_blocks)
         self.set_num_tokens(n)
 
     def deep_copy(self) -> "KVCache":
@@ -333,7 +389,8 @@ class KVCache:
                       num_layers=self.num_layers,
                       batch_size=self.batch_size, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                       num_tokens=n, capacity=self.num_entries)
-        raw_keys, raw_values = self._valid_bytes(self._s.keys), self._valid_bytes(self._s.values)
+        raw_keys = self._valid_bytes(self._s.keys, blocked=self.key_blocks)
+        raw_values = self._valid_bytes(self._s.values)
         scales = {}
         if self.row_scales:
             scales = dict(row_scales=1, key_scales=self._valid_bytes(self._s.key_scales),
@@ -342,12 +399,12 @@ class KVCache:
         return build(SCHEMA, {**header, "keys": raw_keys, "values": raw_values, "checksum": checksum, **scales},
                      IDENTIFIER)
 
-    def _valid_bytes(self, buffers: list[np.ndarray]) -> np.ndarray:
+    def _valid_bytes(self, buffers: list[np.ndarray], blocked: bool = False) -> np.ndarray:
         """Every layer's valid tokens of one kind of buffer, canonical order, as contiguous bytes."""
         n = self.num_tokens
         if not n:
             return np.zeros(0, np.uint8)
-        stacked = np.stack([self._canonical(b, slice(None), n) for b in buffers])
+        stacked = np.stack([self._read(b, slice(None), n, blocked) for b in buffers])
         return np.ascontiguousarray(stacked).view(np.uint8).reshape(-1)
 
     def load(self, data: bytes) -> None:
@@ -389,9 +446,9 @@ class KVCache:
         arrays = [fields["keys"].view(self.dtype).reshape(shape), fields["values"].view(self.dtype).reshape(shape)]
         if row_scales:
             arrays += [fields[k].view(np.float32).reshape(shape[:-1]) for k in ("key_scales", "value_scales")]
-        for buffers, saved in zip(self._buffer_lists(), arrays):
+        for kind, (buffers, saved) in enumerate(zip(self._buffer_lists(), arrays)):
             for layer in range(self.num_layers):
-                self._canonical(buffers[layer], slice(None), n)[...] = saved[layer]
+                self._write(buffers[layer], slice(None), n, saved[layer], kind == 0 and self.key_blocks)
         self.set_num_tokens(n)
 
     def __repr__(self) -> str:

@@ -164,3 +164,156 @@ def test_blocked_keys_must_be_int8_codes_of_whole_blocks():
         native_attention.reference(q, k.astype(np.float32), v.astype(np.float32), m, 3, 64, key_blocks=True)
     with pytest.raises(ValueError, match="rejected"):
         native_attention.reference(q, k[:60], v[:60], m[:60], 3, 64, key_blocks=True)
+
+
+# ---- litekv's ONNX Runtime Int8 attention ops with key_blocks (ort_ops.c) --------------------------
+
+def head_major_blocks(keys: np.ndarray) -> np.ndarray:
+    """An ONNX cache's keys [1, KVH, S, D] in block order."""
+    _, kv_heads, slots, head_dim = keys.shape
+    return native_attention.block_keys(keys.reshape(kv_heads, slots, 1, head_dim)).reshape(keys.shape)
+
+
+def head_major_rows(blocks: np.ndarray) -> np.ndarray:
+    _, kv_heads, slots, head_dim = blocks.shape
+    return native_attention.unblock_keys(blocks.reshape(kv_heads, slots, 1, head_dim)).reshape(blocks.shape)
+
+
+def ort_int8_op(op: str, tokens: int, position: int, window: int, threads: int):
+    """The op's outputs with keys as rows and in blocks, from the same cache and chunk."""
+    onnx_ops = pytest.importorskip("test_onnx_decode_attention")
+    heads, kv_heads, slots, head_dim, half = 9, 3, 1024, 64, 32
+    rng = np.random.default_rng(tokens + position + threads)
+    q, k, v, _, _, cos, sin = onnx_ops.operands(rng, heads, kv_heads, slots, head_dim, half, tokens)
+    k_scale, v_scale = ((rng.random((1, kv_heads, 1, head_dim)) * 0.02 + 0.01).astype(np.float32) for _ in range(2))
+    past_k, past_v = (rng.integers(-127, 128, (1, kv_heads, slots, head_dim)).astype(np.int8) for _ in range(2))
+    feeds = {"query": np.concatenate([q, k, v], axis=1)[None], "past_value": past_v,
+             "seqlens_k": np.array([position], np.int32), "cos": cos, "sin": sin, "k_scale": k_scale,
+             "v_scale": v_scale}
+    kernel = native_attention.AttentionKernel(head_dim, heads, slots, threads=threads)
+    try:
+        runs = {}
+        for blocks, keys in ((0, past_k), (1, head_major_blocks(past_k))):
+            model = onnx_ops.session(onnx_ops.int8_model(heads, kv_heads, slots, head_dim, half, window, op=op,
+                                                         key_blocks=blocks), kernel)
+            runs[blocks] = model.run(None, {**feeds, "past_key": keys})
+    finally:
+        kernel.release()
+    return runs[0], runs[1]
+
+
+@pytest.mark.parametrize("position, window", [(0, -1), (150, -1), (1000, -1), (900, 256)])
+@pytest.mark.parametrize("threads", [1, 2], ids=["one thread", "two threads"])
+def test_the_onnx_decode_op_writes_and_reads_its_keys_in_blocks(position, window, threads):
+    """DecodeAttentionInt8 with key_blocks=1: the new row goes to its block, the others stay, and the
+    output is the row layout's to the integer path's rounding."""
+    (out, present_k, present_v), (got, blocked_k, got_v) = ort_int8_op("DecodeAttentionInt8", 1, position, window,
+                                                                       threads)
+    np.testing.assert_array_equal(head_major_rows(blocked_k), present_k)
+    np.testing.assert_array_equal(got_v, present_v)
+    np.testing.assert_allclose(got, out, atol=4e-4 * float(np.abs(out).max()), rtol=1e-4)
+
+
+@pytest.mark.parametrize("tokens, position, window", [(7, 6, -1), (100, 99, -1), (64, 300, -1), (100, 400, 40),
+                                                     (37, 1023, -1)])
+def test_the_onnx_prefill_op_writes_and_reads_its_keys_in_blocks(tokens, position, window):
+    """PrefillAttentionInt8 with key_blocks=1: the chunk's rows go to their blocks (across block
+    boundaries), and the prefill kernel reads the cache rewritten as rows: the row layout's output."""
+    (out, present_k, present_v), (got, blocked_k, got_v) = ort_int8_op("PrefillAttentionInt8", tokens, position,
+                                                                       window, 2)
+    np.testing.assert_array_equal(head_major_rows(blocked_k), present_k)
+    np.testing.assert_array_equal(got_v, present_v)
+    np.testing.assert_array_equal(got, out)
+
+
+def test_key_blocks_are_refused_on_the_float_ops_and_on_caches_of_odd_slots():
+    onnx_ops = pytest.importorskip("test_onnx_decode_attention")
+    kernel = native_attention.AttentionKernel(64, 4, 64, threads=1)
+    try:
+        with pytest.raises(Exception, match="key_blocks"):
+            node = onnx_ops.helper.make_node(
+                "DecodeAttention", ["query", "", "", "past_key", "past_value", "seqlens_k"],
+                ["out", "present_key", "present_value"], domain=onnx_ops.KERNEL_DOMAIN, num_heads=4, kv_num_heads=2,
+                scale=0.125, key_blocks=1)
+            cache = [1, 2, 64, 64]
+            types = {"query": (onnx_ops.TensorProto.FLOAT, [1, "T", 8 * 64]),
+                     "past_key": (onnx_ops.TensorProto.FLOAT, cache), "past_value": (onnx_ops.TensorProto.FLOAT, cache),
+                     "seqlens_k": (onnx_ops.TensorProto.INT32, [1])}
+            onnx_ops.session(onnx_ops.one_node(node, types, 4 * 64, onnx_ops.TensorProto.FLOAT, cache), kernel)
+        model = onnx_ops.session(onnx_ops.int8_model(4, 2, 60, 64, 32, key_blocks=1), kernel)
+        rng = np.random.default_rng(0)
+        q, k, v, _, _, cos, sin = onnx_ops.operands(rng, 4, 2, 60, 64, 32)
+        with pytest.raises(Exception, match="multiple of 8"):
+            model.run(None, {"query": np.concatenate([q, k, v], axis=1)[None],
+                             "past_key": np.zeros((1, 2, 60, 64), np.int8), "past_value": np.zeros((1, 2, 60, 64), np.int8),
+                             "seqlens_k": np.array([3], np.int32), "cos": cos, "sin": sin,
+                             "k_scale": np.ones((1, 2, 1, 64), np.float32), "v_scale": np.ones((1, 2, 1, 64), np.float32)})
+    finally:
+        kernel.release()
+
+
+# ---- the KV cache's BHSD_KB8 layout (litekv.kv_cache) ----------------------------------------------
+
+def filled(layout: str, batch: int = 2, tokens: int = 21, capacity: int = 32, seed: int = 0):
+    from litekv.kv_cache import KVCache
+
+    cache = KVCache.allocate(3, batch, 2, 8, capacity, layout, "int8")
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(-127, 128, (3, batch, tokens, 2, 8), dtype=np.int8)
+    values = rng.integers(-127, 128, (3, batch, tokens, 2, 8), dtype=np.int8)
+    for layer in range(3):
+        cache._write(cache.raw_keys(layer), slice(None), tokens, keys[layer], cache.key_blocks)
+        cache._write(cache.raw_values(layer), slice(None), tokens, values[layer], False)
+    cache.set_num_tokens(tokens)
+    return cache, keys, values
+
+
+def test_a_blocked_cache_holds_its_keys_in_the_kernels_block_order():
+    cache, keys, values = filled("BHSD_KB8")
+    assert cache.key_blocks and cache.layout == "BHSD_KB8"
+    raw = cache.raw_keys(1)  # [B, KVH, S, D], bytes in blocks per KV head
+    rows = head_major_rows(raw[:1])[0]  # batch row 0 as [KVH, S, D]
+    np.testing.assert_array_equal(rows[:, :21].transpose(1, 0, 2), keys[1, 0])
+    np.testing.assert_array_equal(cache.key_cache(1), keys[1])
+    np.testing.assert_array_equal(cache.value_cache(1), values[1])
+    assert not cache.key_cache(1).flags.writeable
+
+
+@pytest.mark.parametrize("source, target", [("BHSD_KB8", "BHSD"), ("BHSD", "BHSD_KB8"), ("BHSD_KB8", "BHSD_KB8"),
+                                            ("BSHD", "BHSD_KB8")])
+def test_copies_and_saved_caches_move_between_row_and_block_layouts(source, target):
+    from litekv.kv_cache import KVCache
+
+    cache, keys, values = filled(source)
+    other = KVCache.allocate(3, 1, 2, 8, 32, target, "int8")
+    other.select_and_copy_from(cache, 1)
+    np.testing.assert_array_equal(other.key_cache(2), keys[2, 1:2])
+    wide = KVCache.allocate(3, 2, 2, 8, 32, target, "int8")
+    wide.broadcast_and_copy_from(other)
+    np.testing.assert_array_equal(wide.key_cache(0), np.repeat(keys[0, 1:2], 2, axis=0))
+    loaded = KVCache.allocate(3, 2, 2, 8, 32, target, "int8")
+    loaded.load(cache.serialize())
+    for layer in range(3):
+        np.testing.assert_array_equal(loaded.key_cache(layer), keys[layer])
+        np.testing.assert_array_equal(loaded.value_cache(layer), values[layer])
+    assert cache.deep_copy().serialize() == cache.serialize()
+
+
+def test_a_copy_into_a_blocked_cache_keeps_the_codes_past_its_tokens_in_the_last_block():
+    """Rewriting 21 tokens touches 3 blocks of 8; slots 21-23 of the third keep what they held."""
+    target, _, _ = filled("BHSD_KB8", batch=1, tokens=24, seed=1)
+    before = target.raw_keys(0).copy()
+    source, keys, _ = filled("BHSD", batch=1, tokens=21, seed=2)
+    target.select_and_copy_from(source, 0)
+    rows_before, rows_after = head_major_rows(before), head_major_rows(target.raw_keys(0))
+    np.testing.assert_array_equal(rows_after[:, :, 21:24], rows_before[:, :, 21:24])
+    np.testing.assert_array_equal(rows_after[0, :, :21].transpose(1, 0, 2), keys[0, 0])
+
+
+@pytest.mark.parametrize("dtype, capacity", [("float32", 32), ("int8", 30)])
+def test_a_blocked_cache_needs_int8_codes_and_whole_blocks(dtype, capacity):
+    from litekv.errors import ConfigError
+    from litekv.kv_cache import KVCache
+
+    with pytest.raises(ConfigError, match="multiple of 8"):
+        KVCache.allocate(1, 1, 2, 8, capacity, "BHSD_KB8", dtype)

@@ -248,13 +248,14 @@ def test_calls_outside_the_cache_or_with_disagreeing_shapes_are_refused():
 
 
 def int8_model(heads: int, kv_heads: int, slots: int, head_dim: int, rotary_half: int, window: int = -1,
-               op: str = "DecodeAttentionInt8") -> bytes:
+               op: str = "DecodeAttentionInt8", key_blocks: int | None = None) -> bytes:
     """One DecodeAttentionInt8 (or PrefillAttentionInt8) node over an int8 cache with per-channel
-    scales, q/k/v packed."""
+    scales, q/k/v packed; `key_blocks` its attribute, if given."""
     names = ["query", "", "", "past_key", "past_value", "seqlens_k", "cos", "sin", "k_scale", "v_scale"]
+    blocks = {} if key_blocks is None else {"key_blocks": key_blocks}
     node = helper.make_node(op, names, ["out", "present_key", "present_value"],
                             domain=KERNEL_DOMAIN, num_heads=heads, kv_num_heads=kv_heads, local_window_size=window,
-                            scale=0.125)
+                            scale=0.125, **blocks)
     cache, scales = [1, kv_heads, slots, head_dim], [1, kv_heads, 1, head_dim]
     types = {"query": (TensorProto.FLOAT, [1, "T", (heads + 2 * kv_heads) * head_dim]),
              "past_key": (TensorProto.INT8, cache), "past_value": (TensorProto.INT8, cache),

@@ -85,6 +85,7 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
                  threads: int | None = None):
         super().__init__(manifest.config, manifest.max_context, (PREFILL_CHUNK,), manifest.lora_rank,
                          manifest.lora_targets)
+        self.kv_layout = manifest.kv_layout  # BHSD, or BHSD_KB8 where litekv's ops keep the keys in blocks
         ort = self._ort = _ort()
         threads = threads or 2
         self.accelerator, providers = choose_providers(accelerator)
@@ -141,8 +142,8 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
     # ---- caches and bindings -------------------------------------------------------------------
     def create_kv_cache(self, batch_size: int = 1) -> KVCache:
         cfg = self.config
-        return KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, self.max_context, "BHSD",
-                                self.manifest.kv_dtype)
+        return KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, self.max_context,
+                                self.kv_layout, self.manifest.kv_dtype)
 
     def _binding(self, kv_cache: KVCache, row: int, session) -> "_RowBinding":
         """IO binding of one batch row for one graph, with its K/V bound in place (memoized on the cache)."""

@@ -39,7 +39,9 @@
  *                 [1, KVH, 1, D] (a static scale per KV head and channel). New rows are quantized as
  *                 they are written; the keys' scales are folded into the query and the values' into
  *                 the output, so the kernels read the codes as they are (a quarter of a float32
- *                 cache's bytes).
+ *                 cache's bytes). Int attribute key_blocks (default 0): 1 stores the key codes in
+ *                 blocks of slots (attention_common.h's key_block_offset, per KV head), which
+ *                 litekv's AVX2 decode path scores without reduction trees; S a multiple of 8.
  *
  *   "LinearF32": x f32 [.., in], weight f32 [out, in] (W itself: an LM head's, or the tied embedding
  *                 table the graph's Gather reads)  ->  y f32 [.., out], with the same optional norm
@@ -176,6 +178,7 @@ typedef struct Registration {
     Scratch normed; /* a linear's normalized input */
     Scratch prefill[2]; /* the prefill kernel's scratch of each of its two workers (64-byte aligned) */
     Scratch sums, offsets[2]; /* Int4Offsets: the block sums, and each worker's converted offsets */
+    Scratch key_rows; /* PrefillAttentionInt8 with key_blocks: the cache's keys as rows, for the prefill kernel */
 } Registration;
 
 /* One node's kernel: its op and its attributes. */
@@ -186,6 +189,7 @@ typedef struct {
     int on_pool;                   /* linears: rows on ONNX Runtime's pool (1), or litekv's helper (0) */
     float epsilon;                 /* linears with a norm */
     int heads, kv_heads, window;   /* attention; window 0: none */
+    int key_blocks;                /* int8 attention: key codes in blocks of slots */
     float scale;
 } Kernel;
 
@@ -333,7 +337,11 @@ static OrtStatus *op_create_kernel(const CustomOp *custom, const OrtApi *api, co
             API(api, SLOT_RELEASE_STATUS, void (*)(OrtStatus *))(absent);
             return error(api, ORT_INVALID_ARGUMENT, "litekv attention: the float attribute `scale` is missing");
         }
+        const int64_t key_blocks = int_attribute(api, info, "key_blocks", 0);
+        if (key_blocks != 0 && (key_blocks != 1 || !is_int8_attention(op->kind)))
+            return error(api, ORT_INVALID_ARGUMENT, "litekv attention: key_blocks must be 0, or 1 on the Int8 ops");
         k.heads = (int)heads, k.kv_heads = (int)kv_heads, k.window = window < 0 ? 0 : (int)window;
+        k.key_blocks = (int)key_blocks;
     }
     Kernel *made = malloc(sizeof(Kernel));
     if (!made) return error(api, ORT_FAIL, "litekv: out of memory");
@@ -692,6 +700,9 @@ static OrtStatus *attention_compute(const Kernel *kernel, void *context) {
     if (first < 0 || last >= (int64_t)slots || (rotary && last >= cos.dims[0]))
         return error(api, ORT_INVALID_ARGUMENT, "litekv attention: seqlens_k puts the tokens outside the cache (or "
                                                 "the RoPE tables)");
+    if (kernel->key_blocks && slots % KEY_BLOCK_SLOTS)
+        return error(api, ORT_INVALID_ARGUMENT, "litekv attention: keys in blocks need a cache of a multiple of 8 "
+                                                "slots; reconvert the model");
     int64_t out_dims[MAX_RANK];
     for (size_t i = 0; i < q.rank; i++) out_dims[i] = q.dims[i];
     out_dims[q.rank - 1] = (int64_t)q_width;
@@ -727,7 +738,14 @@ static OrtStatus *attention_compute(const Kernel *kernel, void *context) {
                     rotate(keys + key_at + from, cos_row, sin_row, key, (int)half, (int)head_dim);
                 else
                     memcpy(key, keys + key_at + from, sizeof(float) * head_dim);
-                if (int8) {
+                if (int8 && kernel->key_blocks) { /* the row's codes, then each to its place in the block */
+                    int8_t codes[head_dim];
+                    quantize(key, ks + kv * head_dim, codes, head_dim);
+                    int8_t *block = (int8_t *)present_k + key_block_offset(head_dim, slots * head_dim, (int)head_dim,
+                                                                          (int)slot, (int)kv);
+                    for (size_t c = 0; c < head_dim; c++) block[key_block_code((int)slot, (int)c)] = codes[c];
+                    quantize(values + value_at + from, vs + kv * head_dim, (int8_t *)present_v + at, head_dim);
+                } else if (int8) {
                     quantize(key, ks + kv * head_dim, (int8_t *)present_k + at, head_dim);
                     quantize(values + value_at + from, vs + kv * head_dim, (int8_t *)present_v + at, head_dim);
                 } else {
@@ -746,13 +764,26 @@ static OrtStatus *attention_compute(const Kernel *kernel, void *context) {
             const int64_t lo = kernel->window ? last - kernel->window + 1 : 0;
             status = litekv_attention_head_major(op->config, rotated, present_k, present_v, out, (int)heads,
                                                  (int)kv_heads, (int)slots, (int)head_dim, lo > 0 ? (int)lo : 0,
-                                                 (int)last, int8 ? CACHE_I8 : CACHE_F32, prefill ? &pool : NULL);
+                                                 (int)last, (int8 ? CACHE_I8 : CACHE_F32) |
+                                                                (kernel->key_blocks ? CACHE_KEY_BLOCKS : 0),
+                                                 prefill ? &pool : NULL);
             if (int8 && status == 0) unscale_values(out, vs, heads, group, head_dim);
         } else {
-            const PrefillJob job = {rotated, NULL, present_k, present_v, NULL, NULL, out, int8 ? CACHE_I8 : CACHE_F32,
-                                    (int)tokens, (int)slots, (int)heads, (int)kv_heads, (int)head_dim,
-                                    (int)head_dim, slots * head_dim, (int)first, kernel->window, int8 ? vs : NULL};
-            OrtStatus *pooled = prefill_on_pool(api, context, kernel->registration, &job);
+            PrefillJob job = {rotated, NULL, present_k, present_v, NULL, NULL, out, int8 ? CACHE_I8 : CACHE_F32,
+                              (int)tokens, (int)slots, (int)heads, (int)kv_heads, (int)head_dim,
+                              (int)head_dim, slots * head_dim, (int)first, kernel->window, int8 ? vs : NULL};
+            OrtStatus *pooled = NULL;
+            if (kernel->key_blocks) { /* the prefill kernel reads rows: slots 0..last, once for the chunk */
+                const size_t bytes = slots * kv_heads * head_dim;
+                int8_t *rows = (int8_t *)scratch(&kernel->registration->key_rows, (bytes + 3) / 4);
+                if (rows)
+                    unblock_keys(rows, present_k, head_dim, slots * head_dim, (int)head_dim, (int)kv_heads, 0,
+                                 (int)last);
+                else
+                    pooled = error(api, ORT_FAIL, "litekv attention: out of memory");
+                job.keys = rows;
+            }
+            if (!pooled) pooled = prefill_on_pool(api, context, kernel->registration, &job);
             pthread_mutex_unlock(&call_lock);
             return pooled;
         }
@@ -837,7 +868,7 @@ void litekv_ort_release(void *registration) {
     if (!r) return;
     if (r->domain) API(r->api, SLOT_RELEASE_CUSTOM_OP_DOMAIN, void (*)(void *))(r->domain);
     free(r->rows.data), free(r->normed.data), free(r->prefill[0].data), free(r->prefill[1].data);
-    free(r->sums.data), free(r->offsets[0].data), free(r->offsets[1].data);
+    free(r->sums.data), free(r->offsets[0].data), free(r->offsets[1].data), free(r->key_rows.data);
     free(r);
 }
 
