@@ -317,3 +317,26 @@ def test_a_blocked_cache_needs_int8_codes_and_whole_blocks(dtype, capacity):
 
     with pytest.raises(ConfigError, match="multiple of 8"):
         KVCache.allocate(1, 1, 2, 8, capacity, "BHSD_KB8", dtype)
+
+
+def test_onnx_int8_bundles_keep_their_keys_in_blocks_and_follow_the_reference():
+    """The converter's ONNX int8 cache (litekv's attention ops on both entry points): manifest layout
+    BHSD_KB8, caches made in it, steps within the int8 cache's tolerance of the reference, and a
+    saved cache that loads into a row-layout cache unchanged."""
+    from conformance import reference
+    from kv_formats import assert_steps_follow_reference, kv_format_bundle
+    from litekv.bundle import read_manifest
+    from litekv.executor import open_executor
+    from litekv.kv_cache import KVCache
+
+    bundle = kv_format_bundle("llama", "onnx", "int8")
+    assert read_manifest(bundle).kv_layout == "BHSD_KB8"
+    ex = open_executor(bundle)
+    cache = ex.create_kv_cache()
+    assert cache.key_blocks
+    assert_steps_follow_reference(ex, reference("llama"), 0.05)
+    ex.prefill(np.arange(3, 20), cache)
+    rows = KVCache.allocate(cache.num_layers, 1, cache.num_kv_heads, cache.head_dim, cache.num_entries, "BHSD", "int8")
+    rows.load(cache.serialize())
+    for layer in range(cache.num_layers):
+        np.testing.assert_array_equal(rows.key_cache(layer), cache.key_cache(layer))
