@@ -209,12 +209,13 @@ class ConvertOptions:
 
     @property
     def kv_key_blocks(self) -> bool:
-        """An ONNX int8 cache whose keys litekv's attention ops keep in blocks of slots (kv_layout
-        BHSD_KB8): the decode kernel scores a block without reduction trees, a 2,048-slot call in
-        0.87-0.94x the time (bench/PERFORMANCE.md, twenty-fourth round). Only where no
-        GroupQueryAttention reads the cache."""
-        return (self.backend == "onnx" and self.kv_format == "int8" and self.attention_kind == "kernel"
-                and self.prefill_attention_kind == "kernel" and self.max_context % 8 == 0)
+        """A statically scaled int8 cache whose keys litekv's attention ops keep in blocks of slots
+        (kv_layout BSHD_KB8 / BHSD_KB8): the decode kernel scores a block without reduction trees,
+        a 2,048-slot call in 0.87-0.94x the time (bench/PERFORMANCE.md, twenty-fourth round). Only
+        where no builtin attention (XNNPACK's, GroupQueryAttention) reads the cache, and every
+        capacity is whole blocks."""
+        return (self.kv_format == "int8" and self.attention_kind == "kernel"
+                and self.prefill_attention_kind == "kernel" and all(s % 8 == 0 for s in self.buckets()))
 
     @property
     def kv_dtype(self) -> str:
@@ -434,14 +435,16 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
                              decode_attention=options.attention_kind,
                              prefill_attention=options.prefill_attention_kind, kv_scales=kv_scales,
                              kv_dtype=options.kv_dtype, kv_row_scales=options.kv_row_scales,
-                             decode_linears=options.linears_kind, prefill_linears=options.prefill_linears_kind)
+                             decode_linears=options.linears_kind, prefill_linears=options.prefill_linears_kind,
+                             key_blocks=options.kv_key_blocks)
         writer.write(staging / "model.tflite")
         bar.stage("writing model.tflite")(1, 1, f"{writer.data_bytes / 1e6:.0f} MB of weights")
         infos = tuple(SignatureInfo(s.name, "sampler" if s.sampler else ("decode" if s.tokens == 1 and s.logits
                                                                          else "prefill"),
                                     s.tokens, s.capacity, s.lora, tuple(sg.inputs), tuple(sg.outputs))
                       for s, sg in zip(sigs, writer.subgraphs))
-        model_file, layout, sampler_file, lora_layout = "model.tflite", "BSHD", None, TFLITE_LORA_LAYOUT
+        model_file, sampler_file, lora_layout = "model.tflite", None, TFLITE_LORA_LAYOUT
+        layout = "BSHD_KB8" if options.kv_key_blocks else "BSHD"
         decode_model_file = None
     else:
         import onnx

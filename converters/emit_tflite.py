@@ -111,7 +111,7 @@ class TFLiteOps(GraphOps):
                  lora: LoraSpec | None, tables, decode_attention: str = "kernel",
                  kv_scales: tuple[np.ndarray, np.ndarray] | None = None, prefill_attention: str = "kernel",
                  kv_dtype: str = "float32", kv_row_scales: bool = False, decode_linears: str = "graph",
-                 prefill_linears: str = "graph"):
+                 prefill_linears: str = "graph", key_blocks: bool = False):
         super().__init__(cfg, store.weights, store.plan, sig, lora, tables, store.quant_cache)
         # int4 / int8 projections of one row in litekv's linear kernels: a decode step's, and prefill's
         # LM head (its last row), so no FULLY_CONNECTED keeps the head for XNNPACK to pack a copy of
@@ -131,6 +131,10 @@ class TFLiteOps(GraphOps):
         if kv_row_scales and "graph" in (decode_attention, prefill_attention):
             raise ConfigError("an int8 cache with row scales is read by litekv's attention kernels only; convert "
                               "with kernel attention or another --kv-cache.")
+        # int8 keys in blocks of slots (kv_layout BSHD_KB8), which litekv's attention ops write themselves
+        self.key_blocks = key_blocks
+        if key_blocks and ("graph" in (decode_attention, prefill_attention) or kv_scales is None):
+            raise ConfigError("keys in blocks are an int8 cache that only litekv's attention kernels read.")
         self.sg = sg
         self._count = 0
         self.kv_outputs: dict[str, Sym] = {}
@@ -327,7 +331,8 @@ class TFLiteOps(GraphOps):
                 if self.kv_row_scales:  # [1, KVH, S]: each KV head's scales contiguous, as the kernels read them
                     name = f"kv_scale_{kind}_{i}"
                     self.kv_inputs[name] = self.input(name, (1, cfg.num_kv_heads, s))
-        first_pos = self._op("SLICE", [self.positions, self._ints([0]), self._ints([1])], (1,), "int32")
+        first_pos = self.first_pos = self._op("SLICE", [self.positions, self._ints([0]), self._ints([1])], (1,),
+                                               "int32")
         self.kv_start = self._op("CONCATENATION", [self._ints([0]), first_pos, self._ints([0])], (3,),
                                  "int32", axis=0)
         if self.kv_row_scales:
@@ -336,21 +341,25 @@ class TFLiteOps(GraphOps):
     def attention(self, q: Sym, k: Sym, v: Sym, layer: int, window: int | None, scale: float) -> Sym:
         cfg, t, s = self.cfg, self.sig.tokens, self.sig.capacity
         kvh, g, d = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
-        caches, row_scales = [], []
+        caches, extra = [], []  # extra: the op's inputs after the mask
         for kind, new in (("k", k), ("v", v)):
             name = f"kv_cache_{kind}_{layer}"
             if self.kv_row_scales:
                 new, scales = self._kv_row_codes(new)
-                row_scales.append(self._write_rows(f"kv_scale_{kind}_{layer}", scales, self.kv_scale_start))
+                extra.append(self._write_rows(f"kv_scale_{kind}_{layer}", scales, self.kv_scale_start))
             new = self.reshape(new, (1, t, kvh * d))
             if self.kv_scales is not None:
                 new = self._kv_codes(new, kind, layer)
             elif self.kv_dtype == "float16":
                 new = self._op("CAST", [new], new.shape, "float16")
+            if self.key_blocks and kind == "k":  # the op writes them into their blocks
+                caches.append(self.kv_inputs[name])
+                extra = [new, self.first_pos]
+                continue
             caches.append(self._write_rows(name, new))
         mask = self.local_mask if window is not None else self.mask
         if (self.decode_attention if t == 1 else self.prefill_attention) == "kernel":
-            return self._kernel_attention(q, caches, mask, scale, layer, row_scales)
+            return self._kernel_attention(q, caches, mask, scale, layer, extra)
         if self.kv_scales is not None:  # builtin attention reads float32: a pass over the cache
             caches = [self.binary("mul", self.to_float(c), self._kv_scale(kind, layer))
                       for kind, c in zip(("k", "v"), caches)]
@@ -417,23 +426,25 @@ class TFLiteOps(GraphOps):
         return self._op("CAST", [codes], x.shape, "int8")
 
     def _kernel_attention(self, q: Sym, caches: list[Sym], mask: Sym, scale: float, layer: int,
-                          row_scales: Sequence[Sym] = ()) -> Sym:
+                          extra: Sequence[Sym] = ()) -> Sym:
         """The signature's tokens in litekv's attention kernels (litekv.native_attention), custom ops
         that read only the live cached rows, in place, where XNNPACK's batch matmuls repack the
         whole capacity: the decode op for one token, the prefill op for a chunk.
 
         With an int8 cache the kernel reads the codes: q . (code_k * s_k) = (q * s_k) . code_k, and
         sum p * code_v * s_v = s_v * sum p * code_v, so the query and the output carry the static
-        scales. Scales per row go to the kernel's int8_rows form as two more inputs."""
+        scales. `extra`: scales per row go to the kernel's int8_rows form as two more inputs; keys in
+        blocks to its int8_blocks form as the tokens' key codes and their first slot."""
         t, width = self.sig.tokens, self.cfg.num_heads * self.cfg.head_dim
         q = self.reshape(q, (1, t, width))
-        op = attention_op_name("int8_rows" if self.kv_row_scales else self.kv_dtype, prefill=t > 1)
+        op = attention_op_name("int8_rows" if self.kv_row_scales else self.kv_dtype, prefill=t > 1,
+                               key_blocks=self.key_blocks)
         if self.kv_scales is None:
             q = self.binary("mul", q, self.const(np.float32(scale)))
         else:
             q = self.binary("mul", q, self._kv_scale("k", layer, True, scale))
         out = self._new((1, t, width))
-        self.sg.custom_op(op, [q.ref, caches[0].ref, caches[1].ref, mask.ref, *(r.ref for r in row_scales)], [out.ref])
+        self.sg.custom_op(op, [q.ref, caches[0].ref, caches[1].ref, mask.ref, *(x.ref for x in extra)], [out.ref])
         return out if self.kv_scales is None else self.binary("mul", out, self._kv_scale("v", layer, True))
 
     def _decode_attention(self, q: Sym, caches: list[Sym], mask: Sym, scale: float) -> Sym:
@@ -481,7 +492,7 @@ def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: Quant
                 kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
                 prefill_attention: str = "kernel", kv_dtype: str = "float32",
                 kv_row_scales: bool = False, decode_linears: str = "graph",
-                prefill_linears: str = "graph") -> TFLiteModelWriter:
+                prefill_linears: str = "graph", key_blocks: bool = False) -> TFLiteModelWriter:
     """Trace every signature of the architecture into one TFLite model (not yet written).
 
     decode_attention: "kernel" runs one-token attention in litekv's custom op, "graph" in builtin ops;
@@ -491,7 +502,9 @@ def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: Quant
     kv_row_scales: an int8 cache whose codes have a scale per token and KV head, computed as rows are
     written (needs litekv's attention kernel).
     decode_linears: "kernel" runs one-token steps' int4 and int8 projections in litekv's custom ops;
-    prefill_linears: "kernel" runs prefill chunks' int4 projections there too."""
+    prefill_linears: "kernel" runs prefill chunks' int4 projections there too.
+    key_blocks: an int8 cache's keys in blocks of slots (kv_layout BSHD_KB8), written and read by
+    litekv's attention ops."""
     weights = dict(weights)
     weights.setdefault("lm_head.weight", weights["embed.weight"])
     writer = TFLiteModelWriter(description=f"litekv {cfg.architecture}")
@@ -501,7 +514,7 @@ def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: Quant
     groups = {}
     for sig in signatures:
         ops = TFLiteOps(cfg, store, writer.add_signature(sig.name), sig, lora, tables, decode_attention, kv_scales,
-                        prefill_attention, kv_dtype, kv_row_scales, decode_linears, prefill_linears)
+                        prefill_attention, kv_dtype, kv_row_scales, decode_linears, prefill_linears, key_blocks)
         if sig.sampler:
             ops.sampler()
         else:

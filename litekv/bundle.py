@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from litekv.errors import LitekvError
-from litekv.kv_cache import LAYOUTS as KV_LAYOUTS
 from litekv.models.config import ModelConfig
 
 MANIFEST = "litekv.json"
@@ -35,8 +34,8 @@ FORMAT = "litekv-bundle"
 # 13: ONNX int8 weights are uint8 codes with a zero point of 128 (exact in MLAS without AVX-512 VNNI; int8
 # codes saturated there). Older ONNX int8 bundles still load; reconvert them (`litekv pull` does).
 # 14: prefill chunks may run their int4 linears in litekv's custom ops (`prefill_linears`).
-# 15: an ONNX int8 cache may hold its keys in blocks of slots (kv_layout "BHSD_KB8"), which litekv's
-# attention ops write and read.
+# 15: an int8 cache may hold its keys in blocks of slots (kv_layout "BSHD_KB8" or "BHSD_KB8"), which
+# litekv's attention ops write and read.
 VERSION = 15
 READABLE_VERSIONS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 ATTENTION_KINDS = ("kernel", "graph")
@@ -155,13 +154,15 @@ class Manifest:
                                        or manifest.kv_buckets != (manifest.max_context,)):
             raise BundleError(f"{where}: a KV cache with row scales must be int8 on LiteRT with litekv's attention "
                               "kernels, at one capacity; reconvert the model.")
-        if manifest.kv_layout not in KV_LAYOUTS:
-            raise BundleError(f"{where}: unknown KV layout {manifest.kv_layout!r}; reconvert the model.")
-        if manifest.kv_layout == "BHSD_KB8" and (manifest.backend != "onnx" or manifest.kv_dtype != "int8"
-                                                 or manifest.decode_attention != "kernel"
-                                                 or manifest.prefill_attention != "kernel"):
-            raise BundleError(f"{where}: keys in blocks (BHSD_KB8) need an int8 ONNX cache that only litekv's "
-                              "attention ops read; reconvert the model.")
+        rows = {"litert": "BSHD", "onnx": "BHSD"}.get(manifest.backend)  # the backend's layout, keys as rows
+        if rows is None or manifest.kv_layout not in (rows, rows + "_KB8"):
+            raise BundleError(f"{where}: KV layout {manifest.kv_layout!r} is not one of the {manifest.backend!r} "
+                              "backend's; reconvert the model.")
+        if manifest.kv_layout.endswith("_KB8") and (manifest.kv_dtype != "int8" or manifest.kv_row_scales
+                                                    or manifest.decode_attention != "kernel"
+                                                    or manifest.prefill_attention != "kernel"):
+            raise BundleError(f"{where}: keys in blocks ({manifest.kv_layout}) need a statically scaled int8 cache "
+                              "that only litekv's attention ops read; reconvert the model.")
         step_kernels = "kernel" in (manifest.decode_linears, manifest.decode_attention)
         if manifest.decode_linears == "kernel" and manifest.backend != "litert" and not manifest.decode_model_file:
             raise BundleError(f"{where}: an ONNX bundle whose decode steps run litekv's linears needs its decode "

@@ -5,8 +5,8 @@ backend's kernels read (`BSHD` = [batch, slot, kv_head, dim] for TFLite, `BHSD` 
 GroupQueryAttention); everything public (views, serialization, copies between caches) speaks the
 canonical [batch, token, kv_head, dim] order, so a cache moves between backends.
 
-With `BHSD_KB8` the keys' bytes are in blocks of slots (KEY_BLOCK_SLOTS) for the decode kernel; the
-canonical views, copies and serialization convert them, so such views are copies.
+With `BSHD_KB8` / `BHSD_KB8` the keys' bytes are in blocks of slots (KEY_BLOCK_SLOTS) for the
+decode kernel; the canonical views, copies and serialization convert them, so such views are copies.
 
 An int8 cache either holds codes of static scales that the model carries, or (`row_scales`) codes
 with a float32 scale per token and KV head, kept beside them in [batch, kv_head, slot] buffers (as
@@ -27,10 +27,11 @@ import numpy as np
 from litekv.errors import ConfigError, LitekvError
 from litekv.flat_tables import FlatTableError, build, parse
 
-LAYOUTS = ("BSHD", "BHSD", "BHSD_KB8")
-# BHSD_KB8: BHSD whose int8 keys are stored in blocks of KEY_BLOCK_SLOTS slots, per KV head each
-# dimension pair's codes of the block's slots side by side (litekv/kernels/attention_common.h), which
-# litekv's decode kernel scores without reduction trees. Values stay BHSD.
+LAYOUTS = ("BSHD", "BHSD", "BSHD_KB8", "BHSD_KB8")
+# *_KB8: int8 keys stored in blocks of KEY_BLOCK_SLOTS slots, per KV head each dimension pair's codes
+# of the block's slots side by side (litekv/kernels/attention_common.h), which litekv's decode kernel
+# scores without reduction trees: BSHD_KB8 keeps a block's KV heads together ([S / 8][KVH][D / 2][8]
+# [2]), BHSD_KB8 each KV head's blocks ([KVH][S / 8][D / 2][8][2]). Values stay BSHD / BHSD.
 KEY_BLOCK_SLOTS = 8
 BLOCK_SIZE = 16  # tokens per block in `block_table`
 ALIGNMENT = 64  # LiteRT binds host memory zero-copy only when 64-byte aligned
@@ -119,10 +120,10 @@ class KVCache:
             raise ConfigError("KV cache dimensions and batch size must be positive.")
         if row_scales and (np.dtype(dtype) != np.int8 or layout != "BSHD"):
             raise ConfigError(f"scales per row go with an int8 cache in BSHD layout, not {dtype} in {layout}.")
-        if layout == "BHSD_KB8" and (np.dtype(dtype) != np.int8 or capacity % KEY_BLOCK_SLOTS or head_dim % 2):
-            raise ConfigError(f"keys in blocks (BHSD_KB8) need int8 codes, a capacity that is a multiple of "
+        if layout.endswith("_KB8") and (np.dtype(dtype) != np.int8 or capacity % KEY_BLOCK_SLOTS or head_dim % 2):
+            raise ConfigError(f"keys in blocks ({layout}) need int8 codes, a capacity that is a multiple of "
                               f"{KEY_BLOCK_SLOTS} and an even head_dim, not {dtype}, {capacity} and {head_dim}.")
-        shape = ((batch_size, capacity, num_kv_heads, head_dim) if layout == "BSHD"
+        shape = ((batch_size, capacity, num_kv_heads, head_dim) if layout.startswith("BSHD")
                  else (batch_size, num_kv_heads, capacity, head_dim))
         scales = (lambda: [_row_scale_buffer(batch_size, num_kv_heads, capacity) for _ in range(num_layers)]) \
             if row_scales else (lambda: None)
@@ -145,8 +146,13 @@ class KVCache:
 
     @property
     def key_blocks(self) -> bool:
-        """Whether the key buffers hold their codes in blocks of slots (layout BHSD_KB8)."""
-        return self._s.layout == "BHSD_KB8"
+        """Whether the key buffers hold their codes in blocks of slots (layout BSHD_KB8 or BHSD_KB8)."""
+        return self._s.layout.endswith("_KB8")
+
+    @property
+    def _slot_major(self) -> bool:
+        """[batch, slot, kv_head, dim] buffers (BSHD, BSHD_KB8), else [batch, kv_head, slot, dim]."""
+        return self._s.layout.startswith("BSHD")
 
     @property
     def num_layers(self) -> int:
@@ -158,11 +164,11 @@ class KVCache:
 
     @property
     def num_entries(self) -> int:
-        return self._s.keys[0].shape[1 if self.layout == "BSHD" else 2]
+        return self._s.keys[0].shape[1 if self._slot_major else 2]
 
     @property
     def num_kv_heads(self) -> int:
-        return self._s.keys[0].shape[2 if self.layout == "BSHD" else 1]
+        return self._s.keys[0].shape[2 if self._slot_major else 1]
 
     @property
     def head_dim(self) -> int:
@@ -265,7 +271,7 @@ class KVCache:
     def _valid_view(self, buf: np.ndarray, n: int | None = None) -> np.ndarray:
         self._check_valid()
         n = self.num_tokens if n is None else n
-        view = buf[:, :n] if self.layout == "BSHD" else buf[:, :, :n].transpose(0, 2, 1, 3)
+        view = buf[:, :n] if self._slot_major else buf[:, :, :n].transpose(0, 2, 1, 3)
         view = view.view()
         view.flags.writeable = False
         self._s.last_access = time.time()
@@ -276,7 +282,7 @@ class KVCache:
         a row-scale buffer)."""
         if buf.ndim == 3:  # row scales [batch, kv_head, slot]
             return buf[rows, :, :n].swapaxes(-2, -1)
-        return buf[rows, :n] if self.layout == "BSHD" else buf[rows, :, :n].swapaxes(-3, -2)
+        return buf[rows, :n] if self._slot_major else buf[rows, :, :n].swapaxes(-3, -2)
 
     def _read(self, buf: np.ndarray, rows: slice | int, n: int, blocked: bool) -> np.ndarray:
         """Canonical [rows, n, KVH, D] of the first n tokens of a buffer (a view, or with `blocked` keys a
@@ -296,18 +302,23 @@ class KVCache:
         self._canonical(as_rows, rows, n)[...] = data
         self._block_view(buf, count)[...] = as_rows.reshape(self._block_view(buf, count).shape)
 
-    @staticmethod
-    def _block_view(buf: np.ndarray, count: int) -> np.ndarray:
-        """The first `count` blocks of a BHSD_KB8 key buffer [B, KVH, S, D], as a writable view
-        [B, KVH, count, slot, D / 2, 2]."""
+    def _block_view(self, buf: np.ndarray, count: int) -> np.ndarray:
+        """The first `count` blocks of a key buffer in blocks, as a writable view in row order:
+        [B, count, slot, KVH, D / 2, 2] (BSHD_KB8) or [B, KVH, count, slot, D / 2, 2] (BHSD_KB8)."""
+        if self._slot_major:
+            b, slots, heads, dim = buf.shape
+            blocks = buf.reshape(b, slots // KEY_BLOCK_SLOTS, heads, dim // 2, KEY_BLOCK_SLOTS, 2)
+            return blocks[:, :count].transpose(0, 1, 4, 2, 3, 5)
         b, heads, slots, dim = buf.shape
         blocks = buf.reshape(b, heads, slots // KEY_BLOCK_SLOTS, dim // 2, KEY_BLOCK_SLOTS, 2)
         return blocks[:, :, :count].transpose(0, 1, 2, 4, 3, 5)
 
     def _key_rows(self, buf: np.ndarray, count: int) -> np.ndarray:
-        """The first `count` blocks of a key buffer as BHSD rows [B, KVH, count * slots, D] (a copy)."""
-        b, heads, _, dim = buf.shape
-        return np.ascontiguousarray(self._block_view(buf, count)).reshape(b, heads, count * KEY_BLOCK_SLOTS, dim)
+        """The first `count` blocks of a key buffer as rows in the buffer's axis order, count * slots
+        of them (a copy)."""
+        shape = list(buf.shape)
+        shape[1 if self._slot_major else 2] = count * KEY_BLOCK_SLOTS
+        return np.ascontiguousarray(self._block_view(buf, count)).reshape(shape)
 
     def _check_valid(self) -> None:
         if self._s.released:

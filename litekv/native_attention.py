@@ -30,6 +30,14 @@ PREFILL_OP_NAME_F16 = "litekv.prefill_attention_f16"
 # int8 codes with a float32 scale per slot and KV head, for keys and values ([KVH, S] each)
 OP_NAME_INT8_ROWS = "litekv.decode_attention_int8_rows"
 PREFILL_OP_NAME_INT8_ROWS = "litekv.prefill_attention_int8_rows"
+# int8 keys in blocks of KEY_BLOCK slots (attention_common.h): the decode kernel scores a block's
+# slots in one vector without a reduction tree. Or'ed into the cache type at the host-array entries.
+KEY_BLOCK = 8
+CACHE_KEY_BLOCKS = 0x100
+# int8 codes of a statically scaled cache whose keys are in blocks of slots (KEY_BLOCK), which the
+# ops write themselves: two more inputs, the tokens' new key codes [1, T, KVH*D] and their first slot
+OP_NAME_INT8_BLOCKS = "litekv.decode_attention_int8_blocks"
+PREFILL_OP_NAME_INT8_BLOCKS = "litekv.prefill_attention_int8_blocks"
 # The cache formats the kernels read, in the order of attention_common.h's CacheType, and the
 # element types of the first three (the fourth holds int8 codes too).
 KV_FORMATS = ("float32", "int8", "float16", "int8_rows")
@@ -38,17 +46,14 @@ ROW_SCALES = KV_FORMATS.index("int8_rows")
 # op name -> (CacheType, prefill)
 _FORMS = {OP_NAME: (0, False), OP_NAME_INT8: (1, False), OP_NAME_F16: (2, False), OP_NAME_INT8_ROWS: (3, False),
           PREFILL_OP_NAME: (0, True), PREFILL_OP_NAME_INT8: (1, True), PREFILL_OP_NAME_F16: (2, True),
-          PREFILL_OP_NAME_INT8_ROWS: (3, True)}
+          PREFILL_OP_NAME_INT8_ROWS: (3, True), OP_NAME_INT8_BLOCKS: (1 | CACHE_KEY_BLOCKS, False),
+          PREFILL_OP_NAME_INT8_BLOCKS: (1 | CACHE_KEY_BLOCKS, True)}
 # One-token linears over quantized weights (kernels/linear.c), taking their rows with the same helper
 # thread, so a decode step's parallel work never waits for XNNPACK's worker: op name -> LinearFormat
 LINEAR_OP_NAMES = {"litekv.linear_int4": 0, "litekv.linear_int8": 1}  # linear.h's LINEAR_INT4, LINEAR_INT8
 # A decode step's rotary embedding beside them: in XNNPACK its matmul would wake XNNPACK's worker.
 ROPE_OP_NAME = "litekv.rope"
 OP_VERSION = 1
-# int8 keys in blocks of KEY_BLOCK slots (attention_common.h): the decode kernel scores a block's
-# slots in one vector without a reduction tree. Or'ed into the cache type at the host-array entries.
-KEY_BLOCK = 8
-CACHE_KEY_BLOCKS = 0x100
 _MODULE = "litekv._decode_attention"
 
 
@@ -57,9 +62,11 @@ def linear_op_name(weights: str) -> str:
     return f"litekv.linear_{weights}"
 
 
-def op_name(kv_format: str, prefill: bool) -> str:
-    """The custom op a graph calls for a cache of `kv_format` (one of KV_FORMATS)."""
-    return next(name for name, form in _FORMS.items() if form == (KV_FORMATS.index(kv_format), prefill))
+def op_name(kv_format: str, prefill: bool, key_blocks: bool = False) -> str:
+    """The custom op a graph calls for a cache of `kv_format` (one of KV_FORMATS), its int8 keys in
+    blocks or not."""
+    form = KV_FORMATS.index(kv_format) | (CACHE_KEY_BLOCKS if key_blocks else 0)
+    return next(name for name, f in _FORMS.items() if f == (form, prefill))
 
 
 class AttentionConfig(ctypes.Structure):

@@ -268,19 +268,24 @@ def filled(layout: str, batch: int = 2, tokens: int = 21, capacity: int = 32, se
     return cache, keys, values
 
 
-def test_a_blocked_cache_holds_its_keys_in_the_kernels_block_order():
-    cache, keys, values = filled("BHSD_KB8")
-    assert cache.key_blocks and cache.layout == "BHSD_KB8"
-    raw = cache.raw_keys(1)  # [B, KVH, S, D], bytes in blocks per KV head
-    rows = head_major_rows(raw[:1])[0]  # batch row 0 as [KVH, S, D]
-    np.testing.assert_array_equal(rows[:, :21].transpose(1, 0, 2), keys[1, 0])
+@pytest.mark.parametrize("layout", ["BHSD_KB8", "BSHD_KB8"])
+def test_a_blocked_cache_holds_its_keys_in_the_kernels_block_order(layout):
+    cache, keys, values = filled(layout)
+    assert cache.key_blocks and cache.layout == layout
+    raw = cache.raw_keys(1)[0]  # batch row 0: [KVH, S, D] or [S, KVH, D], bytes in blocks
+    if layout == "BHSD_KB8":  # each KV head's blocks
+        rows = native_attention.unblock_keys(raw[:, :, None]).reshape(raw.shape).transpose(1, 0, 2)
+    else:  # a block holds every KV head's
+        rows = native_attention.unblock_keys(raw)
+    np.testing.assert_array_equal(rows[:21], keys[1, 0])
     np.testing.assert_array_equal(cache.key_cache(1), keys[1])
     np.testing.assert_array_equal(cache.value_cache(1), values[1])
     assert not cache.key_cache(1).flags.writeable
 
 
 @pytest.mark.parametrize("source, target", [("BHSD_KB8", "BHSD"), ("BHSD", "BHSD_KB8"), ("BHSD_KB8", "BHSD_KB8"),
-                                            ("BSHD", "BHSD_KB8")])
+                                            ("BSHD", "BHSD_KB8"), ("BSHD_KB8", "BSHD"), ("BSHD", "BSHD_KB8"),
+                                            ("BSHD_KB8", "BHSD_KB8")])
 def test_copies_and_saved_caches_move_between_row_and_block_layouts(source, target):
     from litekv.kv_cache import KVCache
 
@@ -301,7 +306,7 @@ def test_copies_and_saved_caches_move_between_row_and_block_layouts(source, targ
 
 def test_a_copy_into_a_blocked_cache_keeps_the_codes_past_its_tokens_in_the_last_block():
     """Rewriting 21 tokens touches 3 blocks of 8; slots 21-23 of the third keep what they held."""
-    target, _, _ = filled("BHSD_KB8", batch=1, tokens=24, seed=1)
+    target, _, _ = filled("BHSD_KB8", batch=1, tokens=24, seed=1)  # the same code moves BSHD_KB8's blocks
     before = target.raw_keys(0).copy()
     source, keys, _ = filled("BHSD", batch=1, tokens=21, seed=2)
     target.select_and_copy_from(source, 0)
@@ -319,24 +324,27 @@ def test_a_blocked_cache_needs_int8_codes_and_whole_blocks(dtype, capacity):
         KVCache.allocate(1, 1, 2, 8, capacity, "BHSD_KB8", dtype)
 
 
-def test_onnx_int8_bundles_keep_their_keys_in_blocks_and_follow_the_reference():
-    """The converter's ONNX int8 cache (litekv's attention ops on both entry points): manifest layout
-    BHSD_KB8, caches made in it, steps within the int8 cache's tolerance of the reference, and a
-    saved cache that loads into a row-layout cache unchanged."""
+@pytest.mark.parametrize("backend, layout", [("onnx", "BHSD_KB8"), ("litert", "BSHD_KB8")])
+def test_int8_bundles_keep_their_keys_in_blocks_and_follow_the_reference(backend, layout):
+    """The converter's int8 cache (litekv's attention ops on every entry point): the manifest's layout
+    keeps keys in blocks, caches are made in it, steps stay within the int8 cache's tolerance of the
+    reference across the capacity buckets (LiteRT: 16, 32, 64 slots), and a saved cache loads into a
+    row-layout cache unchanged."""
     from conformance import reference
     from kv_formats import assert_steps_follow_reference, kv_format_bundle
     from litekv.bundle import read_manifest
     from litekv.executor import open_executor
     from litekv.kv_cache import KVCache
 
-    bundle = kv_format_bundle("llama", "onnx", "int8")
-    assert read_manifest(bundle).kv_layout == "BHSD_KB8"
+    bundle = kv_format_bundle("llama", backend, "int8")
+    assert read_manifest(bundle).kv_layout == layout
     ex = open_executor(bundle)
     cache = ex.create_kv_cache()
-    assert cache.key_blocks
-    assert_steps_follow_reference(ex, reference("llama"), 0.05)
+    assert cache.key_blocks and cache.layout == layout
+    assert_steps_follow_reference(ex, reference("llama"), 0.05, steps=30)  # 9 + 30 tokens: three buckets
     ex.prefill(np.arange(3, 20), cache)
-    rows = KVCache.allocate(cache.num_layers, 1, cache.num_kv_heads, cache.head_dim, cache.num_entries, "BHSD", "int8")
+    rows = KVCache.allocate(cache.num_layers, 1, cache.num_kv_heads, cache.head_dim, cache.num_entries,
+                            layout.removesuffix("_KB8"), "int8")
     rows.load(cache.serialize())
     for layer in range(cache.num_layers):
         np.testing.assert_array_equal(rows.key_cache(layer), cache.key_cache(layer))

@@ -154,6 +154,7 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         super().__init__(manifest.config, manifest.max_context, manifest.prefill_lengths, manifest.lora_rank,
                          manifest.lora_targets)
         self.manifest = manifest
+        self.kv_layout = manifest.kv_layout  # BSHD, or BSHD_KB8 where litekv's ops keep the keys in blocks
         # Capacities per entry point, from the manifest: one-token steps have finer buckets than
         # prefill chunks. Checked before compiling: a step must always find a bucket.
         self._capacities: dict[str, list[int]] = {}
@@ -236,10 +237,10 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         recycled = self._pool.take((batch_size, self.max_context, cfg.num_kv_heads, cfg.head_dim), dtype, row_scales)
         if recycled is not None:
             keys, values, bindings, key_scales, value_scales = recycled
-            cache = KVCache.from_buffers(keys, values, "BSHD", bindings, key_scales, value_scales)
+            cache = KVCache.from_buffers(keys, values, self.kv_layout, bindings, key_scales, value_scales)
         else:
             cache = KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, self.max_context,
-                                     "BSHD", self.manifest.kv_dtype, row_scales)
+                                     self.kv_layout, self.manifest.kv_dtype, row_scales)
         self._pool.adopt(cache)
         return cache
 
@@ -290,7 +291,8 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         if key not in kv_cache.bindings:
             kv = self._kv_buffers(kv_cache, row, name, io.capacity)
             inputs = {**{k: io.buffers[k] for k in io.arrays}, **kv, **(lora or {})}
-            outputs = {**{k: io.buffers[k] for k in io.outputs}, **kv}
+            written = self.manifest.signature(name).outputs  # not keys in blocks: the ops write those
+            outputs = {**{k: io.buffers[k] for k in io.outputs}, **{k: b for k, b in kv.items() if k in written}}
             kv_cache.bindings[key] = self.model.bind(name, inputs, outputs)
         return io, kv_cache.bindings[key]
 

@@ -190,25 +190,27 @@ INLINE size_t key_block_offset(size_t row, size_t head_stride, int head_dim, int
 INLINE size_t key_block_code(int s, int c) { return (size_t)(c / 2) * 2 * KEY_BLOCK_SLOTS + (size_t)(s % KEY_BLOCK_SLOTS) * 2 + c % 2; }
 
 /* Rows lo..hi of blocked int8 keys (key_block_offset) written as rows (Job.row, head_stride) to
- * `rows`, at the same offsets a row cache puts them: for the paths that read rows. */
+ * `rows`, at the same offsets a row cache puts them: for the paths that read rows. A dimension
+ * pair moves as one 16-bit unit. */
 INLINE void unblock_keys(int8_t *restrict rows, const int8_t *restrict blocks, size_t row, size_t head_stride,
                          int head_dim, int kv_heads, int lo, int hi) {
     for (int s = lo; s <= hi; s++)
         for (int kv = 0; kv < kv_heads; kv++) {
-            const int8_t *block = blocks + key_block_offset(row, head_stride, head_dim, s, kv);
+            const int8_t *block = blocks + key_block_offset(row, head_stride, head_dim, s, kv) + key_block_code(s, 0);
             int8_t *out = rows + (size_t)s * row + (size_t)kv * head_stride;
-            for (int c = 0; c < head_dim; c++) out[c] = block[key_block_code(s, c)];
+            for (int p = 0; p < head_dim / 2; p++) memcpy(out + 2 * p, block + (size_t)p * 2 * KEY_BLOCK_SLOTS, 2);
         }
 }
 
-/* Rows (the same layout as unblock_keys reads) of slots lo..hi written into blocked keys. */
+/* The rows of slots lo..hi (`rows` at slot lo's, `row` elements apart, KV head kv's D at kv *
+ * head_dim in a row) written into blocked keys of that row and head stride. */
 INLINE void block_keys(int8_t *restrict blocks, const int8_t *restrict rows, size_t row, size_t head_stride,
-                       int head_dim, int kv_heads, int lo, int hi) {
+                       int head_dim, int kv_heads, int lo, int hi, size_t rows_row) {
     for (int s = lo; s <= hi; s++)
         for (int kv = 0; kv < kv_heads; kv++) {
-            int8_t *block = blocks + key_block_offset(row, head_stride, head_dim, s, kv);
-            const int8_t *in = rows + (size_t)s * row + (size_t)kv * head_stride;
-            for (int c = 0; c < head_dim; c++) block[key_block_code(s, c)] = in[c];
+            int8_t *block = blocks + key_block_offset(row, head_stride, head_dim, s, kv) + key_block_code(s, 0);
+            const int8_t *in = rows + (size_t)(s - lo) * rows_row + (size_t)kv * head_dim;
+            for (int p = 0; p < head_dim / 2; p++) memcpy(block + (size_t)p * 2 * KEY_BLOCK_SLOTS, in + 2 * p, 2);
         }
 }
 

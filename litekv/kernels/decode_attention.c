@@ -930,6 +930,58 @@ static Status op_run_prefill_int8_rows(void *user_data, size_t num_inputs, void 
     return run_prefill(user_data, num_inputs, inputs, num_outputs, outputs, CACHE_I8_ROWS);
 }
 
+/* "litekv.decode_attention_int8_blocks" and "litekv.prefill_attention_int8_blocks": the int8 forms
+ * over keys in blocks (Job.key_blocks), which the op writes itself (a graph's DYNAMIC_UPDATE_SLICE
+ * writes rows). Inputs: query, keys (the bound cache, [1, S, KVH*D] in blocks), values (written by
+ * the graph), mask, the tokens' new key codes [1, T, KVH*D] and the first token's slot, int32 [1]. */
+static Status run_key_blocks(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
+                             void **outputs, int prefill) {
+    AttentionConfig *cfg = user_data;
+    if (num_inputs != 6) return STATUS_INVALID_ARGUMENT;
+    OpBuffers b;
+    Status status = op_buffers(cfg, 4, inputs, num_outputs, outputs, CACHE_I8, &b);
+    if (status != STATUS_OK) return status;
+    void *rows, *first_slot;
+    size_t n_rows, n_first;
+    if (buffer(cfg, inputs[4], &rows, &n_rows, 1) || buffer(cfg, inputs[5], &first_slot, &n_first, sizeof(int32_t)))
+        return STATUS_RUNTIME_FAILURE;
+    State *st = cfg->state;
+    const size_t width = (size_t)cfg->num_heads * cfg->head_dim, tokens = b.nq / width;
+    const size_t slots = tokens ? b.nm / tokens : 0, row = slots ? b.nk / slots : 0;
+    const int64_t first = n_first ? ((const int32_t *)first_slot)[0] : -1;
+    if (!tokens || b.nq % width || !slots || slots % KEY_BLOCK_SLOTS || !row || b.nk % slots ||
+        row % cfg->head_dim || n_rows != tokens * row || first < 0 || first + (int64_t)tokens > (int64_t)slots ||
+        (!prefill && tokens != 1) || make_unblocked(st) != STATUS_OK)
+        return STATUS_INVALID_ARGUMENT;
+    const int kv_heads = (int)(row / cfg->head_dim), last = (int)first + (int)tokens - 1;
+    /* every check before the rows are written: a refused call leaves the cache as it was */
+    PrefillJob chunk;
+    Job step;
+    if (prefill ? make_prefill_job(&chunk, b.q, b.nq, b.k, b.nk, b.v, b.nv, NULL, NULL, 0, CACHE_I8, b.m, b.nm, b.o,
+                                   b.no, cfg->num_heads, cfg->head_dim, st)
+                : b.nq != b.no || make_job(&step, b.q, b.nq, b.k, b.nk, b.v, b.nv, NULL, NULL, 0, CACHE_I8, b.m, b.nm,
+                                           cfg->head_dim, cfg->num_heads, st))
+        return STATUS_INVALID_ARGUMENT;
+    block_keys(b.k, rows, row, cfg->head_dim, cfg->head_dim, kv_heads, (int)first, last, row);
+    if (prefill) { /* the prefill kernels read rows: slots 0..last, once for the chunk */
+        chunk.keys = keys_as_rows(st, b.k, row, cfg->head_dim, cfg->head_dim, kv_heads, 0, last);
+        return compute_prefill(st, &chunk);
+    }
+    step.key_blocks = 1;
+    attend(st, &step, (int)b.nm, b.o);
+    return STATUS_OK;
+}
+
+static Status op_run_int8_blocks(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
+                                 void **outputs) {
+    return run_key_blocks(user_data, num_inputs, inputs, num_outputs, outputs, 0);
+}
+
+static Status op_run_prefill_int8_blocks(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
+                                         void **outputs) {
+    return run_key_blocks(user_data, num_inputs, inputs, num_outputs, outputs, 1);
+}
+
 /* ---- the one-token linears' callbacks --------------------------------------------------------- */
 
 /* "litekv.linear_int4": x [.., in], codes uint8 [out, in/2], block scales float16 [out, blocks],
@@ -1042,10 +1094,14 @@ int litekv_attention_kernel(Kernel *kernel, int cache_type, int prefill) {
                                         (void *)op_run_int8_rows};
     static void *const prefill_runs[] = {(void *)op_run_prefill, (void *)op_run_prefill_int8,
                                          (void *)op_run_prefill_f16, (void *)op_run_prefill_int8_rows};
-    if (!valid_cache_type(cache_type)) return STATUS_INVALID_ARGUMENT;
+    const int key_blocks = cache_type == (CACHE_I8 | CACHE_KEY_BLOCKS); /* the only form over keys in blocks */
+    if (!valid_cache_type(cache_type) && !key_blocks) return STATUS_INVALID_ARGUMENT;
     kernel->init = (void *)op_init;
     kernel->output_layouts = (void *)op_output_layouts;
-    kernel->run = prefill ? prefill_runs[cache_type] : decode_runs[cache_type];
+    if (key_blocks)
+        kernel->run = prefill ? (void *)op_run_prefill_int8_blocks : (void *)op_run_int8_blocks;
+    else
+        kernel->run = prefill ? prefill_runs[cache_type] : decode_runs[cache_type];
     kernel->destroy = (void *)op_destroy;
     return STATUS_OK;
 }

@@ -741,9 +741,8 @@ static OrtStatus *attention_compute(const Kernel *kernel, void *context) {
                 if (int8 && kernel->key_blocks) { /* the row's codes, then each to its place in the block */
                     int8_t codes[head_dim];
                     quantize(key, ks + kv * head_dim, codes, head_dim);
-                    int8_t *block = (int8_t *)present_k + key_block_offset(head_dim, slots * head_dim, (int)head_dim,
-                                                                          (int)slot, (int)kv);
-                    for (size_t c = 0; c < head_dim; c++) block[key_block_code((int)slot, (int)c)] = codes[c];
+                    block_keys((int8_t *)present_k + kv * slots * head_dim, codes, head_dim, slots * head_dim,
+                               (int)head_dim, 1, (int)slot, (int)slot, head_dim);
                     quantize(values + value_at + from, vs + kv * head_dim, (int8_t *)present_v + at, head_dim);
                 } else if (int8) {
                     quantize(key, ks + kv * head_dim, (int8_t *)present_k + at, head_dim);
