@@ -433,7 +433,8 @@ class AttentionKernel:
             self._lib.litekv_ort_release(self._onnx_registrations.pop())
 
     def __del__(self) -> None:
-        if getattr(self, "_lib", None) is not None and (self.config.state or self._onnx_registrations):
+        config = getattr(self, "config", None)  # None: __init__ failed before making it
+        if getattr(self, "_lib", None) is not None and config is not None and (config.state or self._onnx_registrations):
             self.release()
 
 

@@ -668,3 +668,21 @@ def test_cpu_paths_follow_the_cpus_instruction_sets():
     assert paths["decode_attention"] == ("avx512-vnni" if vnni else "avx2" if avx2 and "avx512f" not in flags
                                          else "vector")
     assert paths["prefill_attention"] == ("avx2" if avx2 and "avx512f" not in flags else "vector")
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_a_library_without_an_op_form_is_a_missing_dependency(monkeypatch):
+    """A library older than the Python side (a form it cannot register) says to reinstall, and the
+    half-made kernel is collected without an error of its own."""
+    import gc
+
+    from litekv.errors import MissingDependency
+
+    class Outdated:  # every entry point fails, as registering an unknown form does
+        def __getattr__(self, name):
+            return lambda *args: 1
+
+    monkeypatch.setattr(native_attention, "_load", lambda: Outdated())
+    with pytest.raises(MissingDependency, match="reinstall litekv"):
+        native_attention.AttentionKernel(64, 9, 64, 1)
+    gc.collect()
