@@ -119,6 +119,9 @@ class ConvertOptions:
     # Prefill chunks' int4 linears: "kernel" (litekv's custom op, tiles of 8 rows x 4 tokens) or "graph"
     # (XNNPACK's block-wise int4 FULLY_CONNECTED, MatMulNBits). None: default_prefill_linears.
     prefill_linears: str | None = None
+    # An int8 cache's keys in blocks of 8 slots (kv_layout BSHD_KB8 / BHSD_KB8; see kv_key_blocks). Off
+    # by default: only x86-64 CPUs with AVX2 and no AVX-512 read blocks in place.
+    key_blocks: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -191,6 +194,7 @@ class ConvertOptions:
                 raise ConfigError(f"unknown prefill linears {self.prefill_linears!r}; choose one of "
                                   f"{', '.join(ATTENTION_KINDS)}.")
         QuantPlan.named(self.quantize, self.lm_head, self.embedding)  # validates the head/table choices
+        self._check_key_blocks()
 
     @property
     def plan(self) -> QuantPlan:
@@ -209,13 +213,22 @@ class ConvertOptions:
 
     @property
     def kv_key_blocks(self) -> bool:
-        """A statically scaled int8 cache whose keys litekv's attention ops keep in blocks of slots
-        (kv_layout BSHD_KB8 / BHSD_KB8): the decode kernel scores a block without reduction trees,
-        a 2,048-slot call in 0.87-0.94x the time (bench/PERFORMANCE.md, twenty-fourth round). Only
-        where no builtin attention (XNNPACK's, GroupQueryAttention) reads the cache, and every
-        capacity is whole blocks."""
-        return (self.kv_format == "int8" and self.attention_kind == "kernel"
-                and self.prefill_attention_kind == "kernel" and all(s % 8 == 0 for s in self.buckets()))
+        """`key_blocks`: a statically scaled int8 cache whose keys litekv's attention ops keep in blocks
+        of slots (kv_layout BSHD_KB8 / BHSD_KB8). On x86-64 with AVX2 and no AVX-512 the decode kernel
+        scores a block without reduction trees: a 2,048-slot call in 0.87-0.97x the time, a
+        2,048-token int4 step 2-3 % shorter. Every other CPU path reads the keys rewritten as rows,
+        once per call: with the portable path (ARM) a call took 1.22x as long, codes widened to
+        floats 3.2x (bench/PERFORMANCE.md, twenty-fourth round); so not the default."""
+        return self.key_blocks
+
+    def _check_key_blocks(self) -> None:
+        if self.key_blocks and not (self.kv_format == "int8" and self.attention_kind == "kernel"
+                                    and self.prefill_attention_kind == "kernel"):
+            raise ConfigError("--kv-key-blocks keeps an int8 cache's keys (--kv-cache int8) in blocks that only "
+                              "litekv's attention kernels read: convert with kernel attention and an int8 cache.")
+        if self.key_blocks and any(s % 8 for s in self.buckets()):
+            raise ConfigError(f"--kv-key-blocks needs every KV capacity to be a multiple of 8, not "
+                              f"{list(self.buckets())}: adjust --max-context or --kv-buckets.")
 
     @property
     def kv_dtype(self) -> str:
@@ -396,6 +409,9 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions = Co
     bar = ProgressBar(enabled=show_progress)
     ckpt = load_checkpoint(source, progress=bar.stage("loading weights"))
     cfg = ckpt.config
+    if options.kv_key_blocks and cfg.head_dim % 2:
+        raise ConfigError(f"--kv-key-blocks moves keys a dimension pair at a time; {cfg.architecture}'s head_dim "
+                          f"{cfg.head_dim} is odd: convert without it.")
     if options.max_context > cfg.max_position:
         raise ConfigError(f"--max-context {options.max_context} exceeds what {cfg.architecture} was trained for "
                           f"({cfg.max_position}).")
@@ -530,6 +546,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "kernel, finer than the prefill buckets with --decode-attention graph)")
     parser.add_argument("--lora-rank", type=int, help="add LoRA inputs of this rank on q, k, v and o")
     parser.add_argument("--no-sampler", action="store_true", help="omit the in-graph sampling entry points")
+    parser.add_argument("--kv-key-blocks", action="store_true",
+                        help="keep an int8 cache's keys in blocks of 8 slots, which litekv's decode kernel scores "
+                        "without reduction trees on x86-64 CPUs with AVX2 and no AVX-512 (a 2,048-token int4 step "
+                        "2-3 %% shorter there); other CPUs read them rewritten as rows, slower")
     parser.add_argument("--kv-cache", choices=KV_CACHE_FORMATS,
                         help="KV cache precision: fp16 reads half the bytes per step, int8 a quarter (default: "
                         "fp32 for ONNX; for LiteRT int8 with --quantize int4, or int8 with litekv's linear kernels, "
@@ -573,7 +593,7 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
         decode_buckets=_ints(args.decode_buckets, "--decode-buckets"), lm_head=args.lm_head, embedding=args.embedding,
         sampler=not args.no_sampler, kv_cache=args.kv_cache, decode_attention=args.decode_attention,
         prefill_attention=args.prefill_attention, decode_linears=args.decode_linears,
-        prefill_linears=args.prefill_linears,
+        prefill_linears=args.prefill_linears, key_blocks=args.kv_key_blocks,
     )
 
 

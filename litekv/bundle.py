@@ -72,7 +72,7 @@ class Manifest:
     max_context: int
     prefill_lengths: tuple[int, ...]
     kv_buckets: tuple[int, ...]
-    kv_layout: str  # "BSHD": [batch, slot, kv_head, dim] (TFLite); "BHSD" (ONNX GQA); "BHSD_KB8" (keys in blocks)
+    kv_layout: str  # "BSHD": [batch, slot, kv_head, dim] (TFLite); "BHSD" (ONNX GQA); "_KB8": keys in blocks
     kv_dtype: str
     quantization: dict[str, Any]
     lora_rank: int | None
@@ -160,9 +160,13 @@ class Manifest:
                               "backend's; reconvert the model.")
         if manifest.kv_layout.endswith("_KB8") and (manifest.kv_dtype != "int8" or manifest.kv_row_scales
                                                     or manifest.decode_attention != "kernel"
-                                                    or manifest.prefill_attention != "kernel"):
+                                                    or manifest.prefill_attention != "kernel"
+                                                    or manifest.config.head_dim % 2
+                                                    or any(s % 8 for s in (manifest.max_context,
+                                                                           *manifest.kv_buckets))):
             raise BundleError(f"{where}: keys in blocks ({manifest.kv_layout}) need a statically scaled int8 cache "
-                              "that only litekv's attention ops read; reconvert the model.")
+                              "that only litekv's attention ops read, an even head_dim and capacities in whole "
+                              "blocks of 8; reconvert the model.")
         step_kernels = "kernel" in (manifest.decode_linears, manifest.decode_attention)
         if manifest.decode_linears == "kernel" and manifest.backend != "litert" and not manifest.decode_model_file:
             raise BundleError(f"{where}: an ONNX bundle whose decode steps run litekv's linears needs its decode "

@@ -73,10 +73,9 @@ def test_int8_cache_round_trips_through_serialization(backend):
 
 @pytest.mark.skipif(not kernel_available(), reason="no kernel")
 def test_litert_steps_read_int8_codes_in_the_kernel():
-    """Decode and prefill entry points call the kernels' int8 forms on int8 cache tensors (the forms
-    that keep the keys in blocks, BSHD_KB8); the graph-attention bundle dequantizes with builtin ops
-    instead."""
-    for backend, ops in (("litert", {"litekv.decode_attention_int8_blocks", "litekv.prefill_attention_int8_blocks"}),
+    """Decode and prefill entry points call the kernels' int8 forms on int8 cache tensors; the
+    graph-attention bundle dequantizes with builtin ops instead."""
+    for backend, ops in (("litert", {"litekv.decode_attention_int8", "litekv.prefill_attention_int8"}),
                          ("litert-graph", set())):
         customs, kv_types = tflite_custom_ops_and_cache_types(int8_kv_bundle("llama", backend) / "model.tflite")
         assert customs == ops

@@ -70,8 +70,8 @@ PATHS = {  # name -> (int8_dot, litekv_decode_avx2_allow): which code reads the 
 def path(request):
     int8_dot, allow = PATHS[request.param]
     switch = avx2_switch()
-    if allow != 1 and not (switch and switch(1)):
-        pytest.skip("no AVX2 path on this CPU to switch away from")
+    if request.param.startswith("avx2") and not (switch and switch(1)):
+        pytest.skip("no AVX2 path on this CPU (the other paths read the blocks as rows)")
     if switch:
         switch(allow)
     yield request.param, int8_dot
@@ -324,20 +324,39 @@ def test_a_blocked_cache_needs_int8_codes_and_whole_blocks(dtype, capacity):
         KVCache.allocate(1, 1, 2, 8, capacity, "BHSD_KB8", dtype)
 
 
+def key_blocks_bundle(arch: str, backend: str):
+    """A test model converted with an int8 cache whose keys are in blocks (--kv-key-blocks), with
+    LiteRT's capacity buckets as the int8 bundles of kv_formats have them."""
+    from conformance import _ROOT, PREFILL_LENGTHS, checkpoint_dir
+    from kv_formats import KV_BUCKETS, MAX_CONTEXT
+    from litekv.converters.convert import ConvertOptions, convert
+
+    path = _ROOT / f"{arch}-{backend}-kvint8-key-blocks"
+    if not (path / "litekv.json").exists():
+        buckets = dict(kv_buckets=KV_BUCKETS) if backend == "litert" else {}
+        convert(checkpoint_dir(arch), path, ConvertOptions(backend=backend, max_context=MAX_CONTEXT,
+                                                           prefill_lengths=PREFILL_LENGTHS, kv_cache="int8",
+                                                           key_blocks=True, **buckets))
+    return path
+
+
 @pytest.mark.parametrize("backend, layout", [("onnx", "BHSD_KB8"), ("litert", "BSHD_KB8")])
-def test_int8_bundles_keep_their_keys_in_blocks_and_follow_the_reference(backend, layout):
-    """The converter's int8 cache (litekv's attention ops on every entry point): the manifest's layout
-    keeps keys in blocks, caches are made in it, steps stay within the int8 cache's tolerance of the
+def test_int8_bundles_with_key_blocks_follow_the_reference(backend, layout):
+    """--kv-key-blocks: the manifest's layout keeps keys in blocks, caches are made in it, the LiteRT
+    graphs call the ops' int8_blocks forms, steps stay within the int8 cache's tolerance of the
     reference across the capacity buckets (LiteRT: 16, 32, 64 slots), and a saved cache loads into a
     row-layout cache unchanged."""
     from conformance import reference
-    from kv_formats import assert_steps_follow_reference, kv_format_bundle
+    from kv_formats import assert_steps_follow_reference, tflite_custom_ops_and_cache_types
     from litekv.bundle import read_manifest
     from litekv.executor import open_executor
     from litekv.kv_cache import KVCache
 
-    bundle = kv_format_bundle("llama", backend, "int8")
+    bundle = key_blocks_bundle("llama", backend)
     assert read_manifest(bundle).kv_layout == layout
+    if backend == "litert":
+        customs, _ = tflite_custom_ops_and_cache_types(bundle / "model.tflite")
+        assert customs == {"litekv.decode_attention_int8_blocks", "litekv.prefill_attention_int8_blocks"}
     ex = open_executor(bundle)
     cache = ex.create_kv_cache()
     assert cache.key_blocks and cache.layout == layout
@@ -348,3 +367,49 @@ def test_int8_bundles_keep_their_keys_in_blocks_and_follow_the_reference(backend
     rows.load(cache.serialize())
     for layer in range(cache.num_layers):
         np.testing.assert_array_equal(rows.key_cache(layer), cache.key_cache(layer))
+
+
+@pytest.mark.parametrize("backend", ["onnx", "litert"])
+def test_int8_bundles_keep_their_keys_as_rows_by_default(backend):
+    """Blocks are read in place only on x86-64 with AVX2 and no AVX-512: the default stays rows."""
+    from kv_formats import kv_format_bundle
+    from litekv.bundle import read_manifest
+
+    assert read_manifest(kv_format_bundle("llama", backend, "int8")).kv_layout == ("BSHD" if backend == "litert"
+                                                                                 else "BHSD")
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(kv_cache="fp16"), "int8 cache"),
+    (dict(kv_cache="int8", decode_attention="graph", prefill_attention="graph"), "kernel attention"),
+    (dict(kv_cache="int8", max_context=60, prefill_lengths=(8,), kv_buckets=(60,)), "multiple of 8"),
+])
+def test_key_blocks_are_refused_where_nothing_could_read_them(options, message):
+    from litekv.converters.convert import ConvertOptions
+    from litekv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        ConvertOptions(backend="litert", key_blocks=True, **options)
+
+
+@pytest.mark.parametrize("lo", [3, 4, 5])
+@pytest.mark.parametrize("threads", [1, 2], ids=["one thread", "two threads"])
+def test_chunks_cut_between_blocks_hold_their_longest_spans(lo, threads):
+    """A 2,048-slot span starting inside a block: its two chunks are cut at a block boundary, so one
+    holds up to 8 slots more than half the span. The slots at a chunk's end carry the attention here
+    (keys along the query), so a chunk whose softmax numerators overran their row would lose them."""
+    heads, kv_heads, head_dim, slots = 9, 3, 64, 2064
+    q, k, v, m, ks, vs, keys, values = cache_case("int8", heads, kv_heads, head_dim, slots, slots, seed=lo)
+    k = (k // 8).astype(np.int8)  # small codes everywhere but at the chunk ends
+    query = q.reshape(heads, head_dim)
+    for s in range(lo + 1018, lo + 1036):  # around the cut: the first chunk's last slots, the second's first
+        for kv in range(kv_heads):
+            k[s, kv * head_dim:(kv + 1) * head_dim] = np.clip(np.rint(query[kv * 3] / np.abs(query[kv * 3]).max()
+                                                                      * 127), -127, 127).astype(np.int8)
+    keys = k.astype(np.float64)
+    m[:lo] = MASKED
+    m[lo + 2048:] = MASKED
+    got = native_attention.reference(q, blocked(k, kv_heads, head_dim), v, m, kv_heads, head_dim, threads, True,
+                                     ks, vs, key_blocks=True)
+    expected = numpy_attention(q, keys, values, m, kv_heads, head_dim)
+    np.testing.assert_allclose(got, expected, atol=4e-4 * max(1.0, float(np.abs(expected).max())), rtol=1e-4)

@@ -65,7 +65,9 @@
                                   offset within a page ran slower: 118-124 us per 2,048-slot call against 106-114
                                   for 20-40 rows off a page multiple; 16 and 48 rows (also multiples) as slow */
 #endif
-#define NUMERATOR_STRIDE (CHUNK_SLOTS + 2) /* a chunk's numerators, a zero after an odd count, even */
+/* A chunk's numerators, a zero after an odd count, even. A chunk holds at most CHUNK_SLOTS slots, or
+ * with keys in blocks 8 more (its ends are rounded to the nearest block boundary, compute()). */
+#define NUMERATOR_STRIDE (CHUNK_SLOTS + KEY_BLOCK_SLOTS + 2)
 
 typedef int Status; /* LiteRtStatus: 0 = ok */
 enum { STATUS_OK = 0, STATUS_INVALID_ARGUMENT = 1, STATUS_RUNTIME_FAILURE = 3 };
@@ -577,8 +579,9 @@ static void compute(State *st, Job *job, int lo, int hi, float *out) {
         job->digits = &st->digits;
     }
 #endif
-    /* At most chunk_slots() a chunk, an even count of near-equal chunks, so that neither of two
-     * threads waits for the other's last one: 2,048 slots in chunks of 384 were 5 and one of 128,
+    /* At most chunk_slots() a chunk (8 more with keys in blocks: NUMERATOR_STRIDE), an even count of
+     * near-equal chunks, so that neither of two threads waits for the other's last one: 2,048 slots
+     * in chunks of 384 were 5 and one of 128,
      * one thread's share 1,152 slots and the other's 896. An int8 cache's calls over more than
      * SPLIT_SLOTS slots take two chunks at least. The same with one thread, whose sums then are the
      * same as two threads'. */
@@ -949,7 +952,7 @@ static Status run_key_blocks(void *user_data, size_t num_inputs, void *const *in
     const size_t width = (size_t)cfg->num_heads * cfg->head_dim, tokens = b.nq / width;
     const size_t slots = tokens ? b.nm / tokens : 0, row = slots ? b.nk / slots : 0;
     const int64_t first = n_first ? ((const int32_t *)first_slot)[0] : -1;
-    if (!tokens || b.nq % width || !slots || slots % KEY_BLOCK_SLOTS || !row || b.nk % slots ||
+    if (!tokens || b.nq % width || !slots || slots % KEY_BLOCK_SLOTS || cfg->head_dim % 2 || !row || b.nk % slots ||
         row % cfg->head_dim || n_rows != tokens * row || first < 0 || first + (int64_t)tokens > (int64_t)slots ||
         (!prefill && tokens != 1) || make_unblocked(st) != STATUS_OK)
         return STATUS_INVALID_ARGUMENT;
@@ -1191,7 +1194,7 @@ int litekv_attention_run(AttentionConfig *cfg, const float *query, const void *k
     const int key_blocks = (cache_type & CACHE_KEY_BLOCKS) != 0;
     cache_type &= ~CACHE_KEY_BLOCKS;
     if (heads <= 0 || kv_heads <= 0 || slots <= 0 || !valid_cache_type(cache_type) ||
-        (key_blocks && (!int8_codes(cache_type) || slots % KEY_BLOCK_SLOTS)))
+        (key_blocks && (!int8_codes(cache_type) || slots % KEY_BLOCK_SLOTS || cfg->head_dim % 2)))
         return STATUS_INVALID_ARGUMENT;
     if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
     const size_t n = (size_t)slots * kv_heads * cfg->head_dim;
@@ -1213,7 +1216,7 @@ int litekv_prefill_attention_run(AttentionConfig *cfg, const float *query, const
     const int key_blocks = (cache_type & CACHE_KEY_BLOCKS) != 0;
     cache_type &= ~CACHE_KEY_BLOCKS;
     if (tokens <= 0 || kv_heads <= 0 || slots <= 0 || !valid_cache_type(cache_type) ||
-        (key_blocks && (!int8_codes(cache_type) || slots % KEY_BLOCK_SLOTS)))
+        (key_blocks && (!int8_codes(cache_type) || slots % KEY_BLOCK_SLOTS || cfg->head_dim % 2)))
         return STATUS_INVALID_ARGUMENT;
     if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
     const size_t nq = (size_t)tokens * cfg->num_heads * cfg->head_dim, nk = (size_t)slots * kv_heads * cfg->head_dim;
@@ -1238,7 +1241,7 @@ int litekv_attention_head_major(AttentionConfig *cfg, const float *query, const 
     cache_type &= ~CACHE_KEY_BLOCKS;
     if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || heads > cfg->num_heads || head_dim != cfg->head_dim ||
         slots <= 0 || lo < 0 || hi < lo || hi >= slots || (cache_type != CACHE_F32 && cache_type != CACHE_I8) ||
-        (key_blocks && (cache_type != CACHE_I8 || slots % KEY_BLOCK_SLOTS)))
+        (key_blocks && (cache_type != CACHE_I8 || slots % KEY_BLOCK_SLOTS || head_dim % 2)))
         return STATUS_INVALID_ARGUMENT;
     if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
     State *st = cfg->state;

@@ -813,7 +813,8 @@ TARGET void avx2_query_words(const Job *job, Digits *out) {
 
 /* Whether attend_part_avx2 reads this job's keys in blocks itself (else they must come as rows). */
 TARGET int avx2_reads_key_blocks(const Job *job) {
-    return job->int8_dot && int8_codes(job->cache_type) &&
+    /* a lane sums a slot's whole dot product: d x 128 x 32767 fits int32 up to d = 512 */
+    return job->int8_dot && int8_codes(job->cache_type) && job->head_dim <= 512 &&
            atomic_load_explicit(&avx2_allowed, memory_order_relaxed) == 1;
 }
 
