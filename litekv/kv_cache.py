@@ -102,7 +102,8 @@ class KVCache:
     """Per-layer K/V buffers of `batch_size` sequences that share one token count.
 
     Shapes: `num_entries` = capacity per sequence; `key_cache(l)` / `value_cache(l)` are read-only
-    views [batch, num_tokens, num_kv_heads, head_dim] of the valid tokens.
+    views [batch, num_tokens, num_kv_heads, head_dim] of the valid tokens (with `key_blocks`, the
+    keys' is a read-only copy: blocks have no row view).
     """
 
     device = "cpu"
