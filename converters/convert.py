@@ -119,8 +119,12 @@ class ConvertOptions:
     # Prefill chunks' int4 linears: "kernel" (litekv's custom op, tiles of 8 rows x 4 tokens) or "graph"
     # (XNNPACK's block-wise int4 FULLY_CONNECTED, MatMulNBits). None: default_prefill_linears.
     prefill_linears: str | None = None
-    # An int8 cache's keys in blocks of 8 slots (kv_layout BSHD_KB8 / BHSD_KB8; see kv_key_blocks). Off
-    # by default: only x86-64 CPUs with AVX2 and no AVX-512 read blocks in place.
+    # A statically scaled int8 cache whose keys litekv's attention ops keep in blocks of 8 slots
+    # (kv_layout BSHD_KB8 / BHSD_KB8). On x86-64 with AVX2 and no AVX-512 the decode kernel scores a
+    # block without reduction trees: a 2,048-slot call in 0.87-0.97x the time, a 2,048-token int4 step
+    # 2-3 % shorter. Every other CPU path reads the keys rewritten as rows, once per call: with the
+    # portable path (ARM) a call took 1.22x as long, codes widened to floats 3.2x
+    # (bench/PERFORMANCE.md, twenty-fourth round); so it is off by default.
     key_blocks: bool = False
 
     def __post_init__(self) -> None:
@@ -210,16 +214,6 @@ class ConvertOptions:
     def kv_row_scales(self) -> bool:
         """An int8 cache whose scales are computed per row as it is written (Manifest.kv_row_scales)."""
         return self.kv_format == "int8-row"
-
-    @property
-    def kv_key_blocks(self) -> bool:
-        """`key_blocks`: a statically scaled int8 cache whose keys litekv's attention ops keep in blocks
-        of slots (kv_layout BSHD_KB8 / BHSD_KB8). On x86-64 with AVX2 and no AVX-512 the decode kernel
-        scores a block without reduction trees: a 2,048-slot call in 0.87-0.97x the time, a
-        2,048-token int4 step 2-3 % shorter. Every other CPU path reads the keys rewritten as rows,
-        once per call: with the portable path (ARM) a call took 1.22x as long, codes widened to
-        floats 3.2x (bench/PERFORMANCE.md, twenty-fourth round); so not the default."""
-        return self.key_blocks
 
     def _check_key_blocks(self) -> None:
         if self.key_blocks and not (self.kv_format == "int8" and self.attention_kind == "kernel"
@@ -409,7 +403,7 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions = Co
     bar = ProgressBar(enabled=show_progress)
     ckpt = load_checkpoint(source, progress=bar.stage("loading weights"))
     cfg = ckpt.config
-    if options.kv_key_blocks and cfg.head_dim % 2:
+    if options.key_blocks and cfg.head_dim % 2:
         raise ConfigError(f"--kv-key-blocks moves keys a dimension pair at a time; {cfg.architecture}'s head_dim "
                           f"{cfg.head_dim} is odd: convert without it.")
     if options.max_context > cfg.max_position:
@@ -452,7 +446,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
                              prefill_attention=options.prefill_attention_kind, kv_scales=kv_scales,
                              kv_dtype=options.kv_dtype, kv_row_scales=options.kv_row_scales,
                              decode_linears=options.linears_kind, prefill_linears=options.prefill_linears_kind,
-                             key_blocks=options.kv_key_blocks)
+                             key_blocks=options.key_blocks)
         writer.write(staging / "model.tflite")
         bar.stage("writing model.tflite")(1, 1, f"{writer.data_bytes / 1e6:.0f} MB of weights")
         infos = tuple(SignatureInfo(s.name, "sampler" if s.sampler else ("decode" if s.tokens == 1 and s.logits
@@ -460,7 +454,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
                                     s.tokens, s.capacity, s.lora, tuple(sg.inputs), tuple(sg.outputs))
                       for s, sg in zip(sigs, writer.subgraphs))
         model_file, sampler_file, lora_layout = "model.tflite", None, TFLITE_LORA_LAYOUT
-        layout = "BSHD_KB8" if options.kv_key_blocks else "BSHD"
+        layout = "BSHD_KB8" if options.key_blocks else "BSHD"
         decode_model_file = None
     else:
         import onnx
@@ -472,7 +466,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         # running without an adapter costs exactly what a model converted without LoRA costs.
         linears = options.linears_kind
         attention = dict(decode_attention=options.attention_kind, prefill_attention=options.prefill_attention_kind,
-                         key_blocks=options.kv_key_blocks)
+                         key_blocks=options.key_blocks)
         model, _ = emit_onnx(cfg, ckpt.weights, plan, None, options.max_context, kv_scales=kv_scales,
                              kv_dtype=options.kv_dtype, decode_linears=linears,
                              prefill_linears=options.prefill_linears_kind, **attention)
@@ -505,7 +499,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
                                     tuple(o.name for o in g.graph.output))
                       for name, g, lora in graphs)
         model_file, lora_layout = "model.onnx", ONNX_LORA_LAYOUT
-        layout = "BHSD_KB8" if options.kv_key_blocks else "BHSD"
+        layout = "BHSD_KB8" if options.key_blocks else "BHSD"
     tok = ckpt.tokenizer
     return Manifest(
         backend=options.backend, model_file=model_file, config=cfg, max_context=options.max_context,

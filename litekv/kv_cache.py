@@ -211,13 +211,7 @@ class KVCache:
 
     # ---- access -----------------------------------------------------------------------------------
     def key_cache(self, layer: int) -> np.ndarray:
-        if self.key_blocks:  # rows exist only as a copy
-            self._check_valid()
-            view = self._read(self._s.keys[layer], slice(None), self.num_tokens, blocked=True)
-            view.flags.writeable = False
-            self._s.last_access = time.time()
-            return view
-        return self._valid_view(self._s.keys[layer])
+        return self._valid_view(self._s.keys[layer], self.key_blocks)
 
     def value_cache(self, layer: int) -> np.ndarray:
         return self._valid_view(self._s.values[layer])
@@ -251,6 +245,10 @@ class KVCache:
         """Keys, values and (with row scales) their scales: what copies and serialization carry."""
         return [self._s.keys, self._s.values] + ([self._s.key_scales, self._s.value_scales] if self.row_scales else [])
 
+    def _blocked_lists(self) -> list[tuple[list[np.ndarray], bool]]:
+        """_buffer_lists, each with whether its buffers hold keys in blocks."""
+        return [(buffers, kind == 0 and self.key_blocks) for kind, buffers in enumerate(self._buffer_lists())]
+
     def raw_keys(self, layer: int) -> np.ndarray:
         """The whole buffer in backend layout, for executors (writable; with key_blocks, its bytes
         are blocks)."""
@@ -269,11 +267,10 @@ class KVCache:
         self._s.num_tokens = n
         self._s.last_access = time.time()
 
-    def _valid_view(self, buf: np.ndarray, n: int | None = None) -> np.ndarray:
+    def _valid_view(self, buf: np.ndarray, blocked: bool = False) -> np.ndarray:
+        """Read-only canonical view of the valid tokens (with `blocked` keys, a copy: blocks have no row view)."""
         self._check_valid()
-        n = self.num_tokens if n is None else n
-        view = buf[:, :n] if self._slot_major else buf[:, :, :n].transpose(0, 2, 1, 3)
-        view = view.view()
+        view = self._read(buf, slice(None), self.num_tokens, blocked).view()
         view.flags.writeable = False
         self._s.last_access = time.time()
         return view
@@ -301,18 +298,14 @@ class KVCache:
         count = -(-n // KEY_BLOCK_SLOTS)
         as_rows = self._key_rows(buf, count)
         self._canonical(as_rows, rows, n)[...] = data
-        self._block_view(buf, count)[...] = as_rows.reshape(self._block_view(buf, count).shape)
+        view = self._block_view(buf, count)
+        view[...] = as_rows.reshape(view.shape)
 
     def _block_view(self, buf: np.ndarray, count: int) -> np.ndarray:
-        """The first `count` blocks of a key buffer in blocks, as a writable view in row order:
-        [B, count, slot, KVH, D / 2, 2] (BSHD_KB8) or [B, KVH, count, slot, D / 2, 2] (BHSD_KB8)."""
-        if self._slot_major:
-            b, slots, heads, dim = buf.shape
-            blocks = buf.reshape(b, slots // KEY_BLOCK_SLOTS, heads, dim // 2, KEY_BLOCK_SLOTS, 2)
-            return blocks[:, :count].transpose(0, 1, 4, 2, 3, 5)
-        b, heads, slots, dim = buf.shape
-        blocks = buf.reshape(b, heads, slots // KEY_BLOCK_SLOTS, dim // 2, KEY_BLOCK_SLOTS, 2)
-        return blocks[:, :, :count].transpose(0, 1, 2, 4, 3, 5)
+        """The first `count` blocks of a key buffer in blocks, as a writable view in row order."""
+        if self._slot_major:  # [B, S, KVH, D]: a block holds every KV head's
+            return key_block_view(buf)[:, :count]
+        return key_block_view(buf[:, :, :, None])[:, :, :count]  # [B, KVH, S, D]: each KV head's blocks
 
     def _key_rows(self, buf: np.ndarray, count: int) -> np.ndarray:
         """The first `count` blocks of a key buffer as rows in the buffer's axis order, count * slots
@@ -359,21 +352,20 @@ class KVCache:
         if not 0 <= batch_index < other.batch_size:
             raise KVCacheError(f"batch index {batch_index} is outside 0..{other.batch_size - 1}.")
         n = other.num_tokens
-        for kind, (mine, theirs) in enumerate(zip(self._buffer_lists(), other._buffer_lists())):
+        for (mine, blocked), (theirs, their_blocked) in zip(self._blocked_lists(), other._blocked_lists()):
             for dst, src in zip(mine, theirs):
-                self._write(dst, slice(0, 1), n, other._read(src, slice(batch_index, batch_index + 1), n,
-                                                             kind == 0 and other.key_blocks), kind == 0 and self.key_blocks)
+                self._write(dst, slice(0, 1), n, other._read(src, slice(batch_index, batch_index + 1), n, their_blocked),
+                            blocked)
         self.set_num_tokens(n)
 
     def broadcast_and_copy_from(self, other: "KVCache") -> None:
         """other[0] -> every batch row of this cache (valid tokens only)."""
         self._check_compatible(other)
         n = other.num_tokens
-        for kind, (mine, theirs) in enumerate(zip(self._buffer_lists(), other._buffer_lists())):
+        for (mine, blocked), (theirs, their_blocked) in zip(self._blocked_lists(), other._blocked_lists()):
             for dst, src in zip(mine, theirs):
-                source = other._read(src, slice(0, 1), n, kind == 0 and other.key_blocks)
-                self._write(dst, slice(None), n, np.broadcast_to(source, (self.batch_size, *source.shape[1:])),
-                            kind == 0 and self.key_blocks)
+                source = other._read(src, slice(0, 1), n, their_blocked)
+                self._write(dst, slice(None), n, np.broadcast_to(source, (self.batch_size, *source.shape[1:])), blocked)
         self.set_num_tokens(n)
 
     def deep_copy(self) -> "KVCache":
@@ -458,14 +450,39 @@ class KVCache:
         arrays = [fields["keys"].view(self.dtype).reshape(shape), fields["values"].view(self.dtype).reshape(shape)]
         if row_scales:
             arrays += [fields[k].view(np.float32).reshape(shape[:-1]) for k in ("key_scales", "value_scales")]
-        for kind, (buffers, saved) in enumerate(zip(self._buffer_lists(), arrays)):
+        for (buffers, blocked), saved in zip(self._blocked_lists(), arrays):
             for layer in range(self.num_layers):
-                self._write(buffers[layer], slice(None), n, saved[layer], kind == 0 and self.key_blocks)
+                self._write(buffers[layer], slice(None), n, saved[layer], blocked)
         self.set_num_tokens(n)
 
     def __repr__(self) -> str:
         return (f"KVCache(id={self.cache_id}, layers={self.num_layers}, batch={self.batch_size}, "
                 f"tokens={self.num_tokens}/{self.num_entries}, layout={self.layout})")
+
+
+def key_block_view(blocks: np.ndarray) -> np.ndarray:
+    """Keys stored in blocks, [..., S, H, D] as the buffer's shape says, as a writable view in row
+    order [..., S / 8, 8, H, D / 2, 2]: for each block of KEY_BLOCK_SLOTS slots and head, the buffer
+    holds each dimension pair's codes of the block's slots side by side."""
+    *lead, slots, heads, dim = blocks.shape
+    n = len(lead)
+    grouped = blocks.reshape(*lead, slots // KEY_BLOCK_SLOTS, heads, dim // 2, KEY_BLOCK_SLOTS, 2)
+    return grouped.transpose(*range(n), n, n + 3, n + 1, n + 2, n + 4)
+
+
+def block_keys(rows: np.ndarray) -> np.ndarray:
+    """int8 keys as rows, [..., S, H, D], in block order (key_block_view), in an array of the same
+    shape. A [S, KVH*D] cache is passed as [S, KVH, D]; a head-major [KVH, S, D] one as
+    [KVH, S, 1, D] (each KV head's blocks contiguous). S: a multiple of KEY_BLOCK_SLOTS, D even."""
+    blocks = np.empty_like(rows)
+    view = key_block_view(blocks)
+    view[...] = rows.reshape(view.shape)
+    return blocks
+
+
+def unblock_keys(blocks: np.ndarray) -> np.ndarray:
+    """block_keys' inverse: keys in block order, in the shape block_keys returned, as rows."""
+    return np.ascontiguousarray(key_block_view(blocks)).reshape(blocks.shape)
 
 
 def _row_scale_buffer(batch_size: int, num_kv_heads: int, capacity: int) -> np.ndarray:

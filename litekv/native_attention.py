@@ -20,6 +20,8 @@ from dataclasses import astuple, dataclass
 import numpy as np
 
 from litekv.errors import MissingDependency
+from litekv.kv_cache import KEY_BLOCK_SLOTS as KEY_BLOCK  # noqa: F401 (with the helpers: the kernels' layout)
+from litekv.kv_cache import block_keys, unblock_keys  # noqa: F401
 
 OP_NAME = "litekv.decode_attention"
 OP_NAME_INT8 = "litekv.decode_attention_int8"  # int8 keys and values: the codes of a statically scaled cache
@@ -32,7 +34,6 @@ OP_NAME_INT8_ROWS = "litekv.decode_attention_int8_rows"
 PREFILL_OP_NAME_INT8_ROWS = "litekv.prefill_attention_int8_rows"
 # int8 keys in blocks of KEY_BLOCK slots (attention_common.h): the decode kernel scores a block's
 # slots in one vector without a reduction tree. Or'ed into the cache type at the host-array entries.
-KEY_BLOCK = 8
 CACHE_KEY_BLOCKS = 0x100
 # int8 codes of a statically scaled cache whose keys are in blocks of slots (KEY_BLOCK), which the
 # ops write themselves: two more inputs, the tokens' new key codes [1, T, KVH*D] and their first slot
@@ -222,28 +223,6 @@ def _host_arrays(query, keys, values, mask, num_kv_heads, key_scales=None, value
         raise ValueError(f"row scales of {key_scales.size} and {value_scales.size} elements do not fit "
                          f"{num_kv_heads} KV heads x {slots} slots")
     return query, keys, values, mask, key_scales, value_scales, ROW_SCALES
-
-
-def block_keys(rows: np.ndarray) -> np.ndarray:
-    """int8 keys as rows, [..., S, KVH, D], in the kernels' block order (`key_blocks`): per block of
-    KEY_BLOCK slots and per KV head, each dimension pair's codes of the block's slots side by side.
-    A [S, KVH*D] cache is passed as [S, KVH, D]; a head-major [KVH, S, D] one as [KVH, S, 1, D]
-    (each KV head's blocks contiguous). S must be a multiple of KEY_BLOCK and D even. Returns an
-    array of the input's shape whose bytes are the blocks."""
-    *lead, slots, heads, dim = rows.shape
-    blocks = rows.reshape(*lead, slots // KEY_BLOCK, KEY_BLOCK, heads, dim // 2, 2)
-    n = len(lead)
-    order = (*range(n), n, n + 2, n + 3, n + 1, n + 4)  # [.., block, head, pair, slot, 2]
-    return np.ascontiguousarray(blocks.transpose(order)).reshape(rows.shape)
-
-
-def unblock_keys(blocks: np.ndarray) -> np.ndarray:
-    """block_keys' inverse: keys in block order, in the shape block_keys returned, as rows."""
-    *lead, slots, heads, dim = blocks.shape
-    n = len(lead)
-    grouped = blocks.reshape(*lead, slots // KEY_BLOCK, heads, dim // 2, KEY_BLOCK, 2)
-    order = (*range(n), n, n + 3, n + 1, n + 2, n + 4)  # back to [.., block, slot, head, pair, 2]
-    return np.ascontiguousarray(grouped.transpose(order)).reshape(blocks.shape)
 
 
 def _pointer(array: np.ndarray | None) -> int | None:

@@ -263,7 +263,6 @@ typedef struct {
     int first, window;
     const float *out_scales; /* [KVH][D]: each output row times its KV head's (an int8 cache's static
                                 value scales, on codes weighed as they are); NULL: none */
-    int key_blocks; /* int8 keys in blocks (Job.key_blocks) */
 } PrefillJob;
 
 int prefill_tasks(const PrefillJob *job);

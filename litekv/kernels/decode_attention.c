@@ -646,14 +646,7 @@ static void share(State *st, int count) {
 }
 
 /* A prefill chunk's attention, its tasks shared between the threads like a decode's chunks. */
-static Status compute_prefill(State *st, const PrefillJob *given) {
-    PrefillJob rows = *given, *job = &rows;
-    if (job->key_blocks) { /* the prefill kernels read rows: a chunk's tokens share one rewrite */
-        if (make_unblocked(st) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
-        job->keys = keys_as_rows(st, job->keys, (size_t)job->row, job->head_stride, job->head_dim, job->kv_heads, 0,
-                                 job->slots - 1);
-        job->key_blocks = 0;
-    }
+static Status compute_prefill(State *st, const PrefillJob *job) {
     if (!st->prefill_scratch[0]) { /* both or neither: the helper's only where it runs */
         const size_t bytes = (sizeof(float) * prefill_scratch_floats(job->heads, job->head_dim, st->max_slots) + 63) /
                              64 * 64;
@@ -954,8 +947,9 @@ static Status run_key_blocks(void *user_data, size_t num_inputs, void *const *in
     const int64_t first = n_first ? ((const int32_t *)first_slot)[0] : -1;
     if (!tokens || b.nq % width || !slots || slots % KEY_BLOCK_SLOTS || cfg->head_dim % 2 || !row || b.nk % slots ||
         row % cfg->head_dim || n_rows != tokens * row || first < 0 || first + (int64_t)tokens > (int64_t)slots ||
-        (!prefill && tokens != 1) || make_unblocked(st) != STATUS_OK)
+        (!prefill && tokens != 1))
         return STATUS_INVALID_ARGUMENT;
+    if (make_unblocked(st) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
     const int kv_heads = (int)(row / cfg->head_dim), last = (int)first + (int)tokens - 1;
     /* every check before the rows are written: a refused call leaves the cache as it was */
     PrefillJob chunk;
@@ -1224,7 +1218,11 @@ int litekv_prefill_attention_run(AttentionConfig *cfg, const float *query, const
     Status status = make_prefill_job(&job, query, nq, keys, nk, values, nk, key_scales, value_scales,
                                      (size_t)slots * kv_heads, cache_type, mask, (size_t)tokens * slots, out, nq,
                                      cfg->num_heads, cfg->head_dim, cfg->state);
-    job.key_blocks = key_blocks;
+    if (status == STATUS_OK && key_blocks) { /* the prefill kernels read rows: one rewrite for the chunk */
+        if (make_unblocked(cfg->state) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
+        job.keys = keys_as_rows(cfg->state, keys, (size_t)job.row, job.head_stride, job.head_dim, kv_heads, 0,
+                                slots - 1);
+    }
     return status == STATUS_OK ? compute_prefill(cfg->state, &job) : status;
 }
 

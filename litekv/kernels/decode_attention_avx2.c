@@ -503,26 +503,14 @@ KERNEL void scores(const Job *job, const Part *part, int type, Stream *st, float
     const int group = job->heads / job->kv_heads, n = part->hi - part->lo + 1, S = group == 1 ? 8 : 4;
     const int passes = job->kv_heads * head_passes(group);
     stream_to(st, st->lead); /* the first rows: the part's loads wait for these */
-    if (job->key_blocks) {
-        /* Tiles end on block boundaries, so only the part's ends cut a block, and hold pairs of
-         * blocks, so none is left to take alone (40-slot tiles left every fifth). */
-        const int tile = (st->tile + KEY_BLOCK_SLOTS) / (2 * KEY_BLOCK_SLOTS) * (2 * KEY_BLOCK_SLOTS);
-        for (int t0 = 0; t0 < n;) {
-            const int next = (part->lo + t0) / KEY_BLOCK_SLOTS * KEY_BLOCK_SLOTS + tile - part->lo;
-            const int rows = (next < n ? next : n) - t0, steps = (rows + 2 * KEY_BLOCK_SLOTS - 1) / KEY_BLOCK_SLOTS;
-            Share sh = share(st, t0, rows, passes * steps);
-            for (int kv = 0; kv < job->kv_heads; kv++)
-                for (int g0 = 0; g0 < group;) {
-                    const int G = heads_at_once(group - g0);
-                    score_pass(job, part, INT8_WORDS, kv, kv * group + g0, G, t0, rows, st, &sh, tops);
-                    g0 += G;
-                }
-            t0 += rows;
-        }
-        return;
-    }
-    for (int t0 = 0; t0 < n; t0 += st->tile) {
-        const int rows = n - t0 < st->tile ? n - t0 : st->tile, steps = (rows + S - 1) / S;
+    /* With keys in blocks, tiles end on block boundaries, so only the part's ends cut a block, and
+     * hold pairs of blocks, so none is left to take alone (40-slot tiles left every fifth); a pass
+     * steps a block at a time, one more for a cut one. */
+    const int blocks = job->key_blocks, block = KEY_BLOCK_SLOTS;
+    const int tile = blocks ? (st->tile + block) / (2 * block) * (2 * block) : st->tile;
+    for (int t0 = 0; t0 < n;) {
+        const int end = blocks ? (part->lo + t0) / block * block + tile - part->lo : t0 + tile;
+        const int rows = (end < n ? end : n) - t0, steps = blocks ? (rows + 2 * block - 1) / block : (rows + S - 1) / S;
         Share sh = share(st, t0, rows, passes * steps);
         for (int kv = 0; kv < job->kv_heads; kv++)
             for (int g0 = 0; g0 < group;) {
@@ -530,6 +518,7 @@ KERNEL void scores(const Job *job, const Part *part, int type, Stream *st, float
                 score_pass(job, part, type, kv, h0, G, t0, rows, st, &sh, tops);
                 g0 += G;
             }
+        t0 += rows;
     }
 }
 

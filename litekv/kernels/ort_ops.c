@@ -738,14 +738,15 @@ static OrtStatus *attention_compute(const Kernel *kernel, void *context) {
                     rotate(keys + key_at + from, cos_row, sin_row, key, (int)half, (int)head_dim);
                 else
                     memcpy(key, keys + key_at + from, sizeof(float) * head_dim);
-                if (int8 && kernel->key_blocks) { /* the row's codes, then each to its place in the block */
-                    int8_t codes[head_dim];
-                    quantize(key, ks + kv * head_dim, codes, head_dim);
-                    block_keys((int8_t *)present_k + kv * slots * head_dim, codes, head_dim, slots * head_dim,
-                               (int)head_dim, 1, (int)slot, (int)slot, head_dim);
-                    quantize(values + value_at + from, vs + kv * head_dim, (int8_t *)present_v + at, head_dim);
-                } else if (int8) {
-                    quantize(key, ks + kv * head_dim, (int8_t *)present_k + at, head_dim);
+                if (int8) {
+                    if (kernel->key_blocks) { /* the row's codes, then each pair to its place in the block */
+                        int8_t codes[head_dim];
+                        quantize(key, ks + kv * head_dim, codes, head_dim);
+                        block_keys((int8_t *)present_k + kv * slots * head_dim, codes, head_dim, slots * head_dim,
+                                   (int)head_dim, 1, (int)slot, (int)slot, head_dim);
+                    } else {
+                        quantize(key, ks + kv * head_dim, (int8_t *)present_k + at, head_dim);
+                    }
                     quantize(values + value_at + from, vs + kv * head_dim, (int8_t *)present_v + at, head_dim);
                 } else {
                     memcpy((float *)present_k + at, key, sizeof(float) * head_dim);
