@@ -28,19 +28,20 @@ def build(directory: Path) -> Path:
     return compile_c(directory / "memory_bandwidth", "-O3", "-march=native", "-fopenmp", str(SOURCE))
 
 
+def read_rate(binary: Path, mib: int, repeats: int, ahead: int = 0, threads: int = 2) -> dict:
+    """The built loop's best read rate over `repeats` passes of a `mib` MiB array."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_PROC_BIND": "close"}
+    out = subprocess.run([str(binary), str(mib), str(repeats), str(ahead)], env=env,
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
 def read_rates(sizes_mib: tuple[int, ...] = SIZES_MIB, prefetch: tuple[int, ...] = PREFETCH_FLOATS,
                threads: int = 2, repeats: int = 20) -> list[dict]:
     """One result per (array size, prefetch distance): the best read rate of `repeats` passes."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_PROC_BIND": "close"}
-    results = []
     with tempfile.TemporaryDirectory() as tmp:
         binary = build(Path(tmp))
-        for mib in sizes_mib:
-            for ahead in prefetch:
-                out = subprocess.run([str(binary), str(mib), str(repeats), str(ahead)], env=env,
-                                     capture_output=True, text=True, check=True)
-                results.append(json.loads(out.stdout))
-    return results
+        return [read_rate(binary, mib, repeats, ahead, threads) for mib in sizes_mib for ahead in prefetch]
 
 
 def main() -> None:

@@ -16,6 +16,11 @@ its precision class, on the measures the issue sets targets on: decode tok/s (ag
 named in compare.TARGETS) and prefill tok/s at 256 and 1,024 tokens (against each peer of the
 class; the target is the best of them, the one litekv's ratio is lowest against). Writes
 bench/results/pairs.md and pairs.json; `--report-only` rewrites pairs.md from pairs.json.
+
+An fp32 decode step reads every weight once, the same bytes in every system, so its speed is
+bounded by the machine's read rate. After each turn of an fp32 decode pair, the C read loop of
+bench/memory_bandwidth.py measures that rate over an array the weights' size, and the report
+gives both systems' weight bytes per second as a share of it.
 """
 from __future__ import annotations
 
@@ -25,12 +30,15 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from common import RESULTS, markdown_table
 from compare import ROOT, TARGETS, System, systems
+from litekv.catalog import checkpoint_path
+from memory_bandwidth import build as build_read_loop, read_rate
 
 MEASURES = ("decode", "prefill_256", "prefill_1024")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -82,6 +90,23 @@ class Runner:
                 self.proc.kill()
 
 
+class Fp32Yardstick:
+    """What an fp32 decode step reads, and how fast this machine reads that much: the weights' bytes
+    (every tensor of the checkpoint once, in float32; a tied embedding is read whole as the LM head,
+    its lookup only one row) and the best of a few passes of bench/memory_bandwidth.c's loop over
+    an array as large (more than the L3 holds), measured on request."""
+
+    def __init__(self, directory: Path, threads: int, repeats: int = 5):
+        import gguf  # the converter's dependency, installed with litekv[bench]
+
+        self.weight_bytes = 4 * sum(int(t.n_elements) for t in gguf.GGUFReader(checkpoint_path()).tensors)
+        self.binary, self.threads, self.repeats = build_read_loop(directory), threads, repeats
+
+    def machine_gb_s(self) -> float:
+        mib = -(-self.weight_bytes // 2**20)
+        return read_rate(self.binary, mib, self.repeats, threads=self.threads)["gb_s"]
+
+
 @dataclass
 class Pair:
     litekv: System
@@ -102,8 +127,9 @@ def pairs(chosen: list[System]) -> list[Pair]:
     return out
 
 
-def run_pair(pair: Pair, runners: dict[str, Runner], turns: int) -> dict:
-    """Alternates the two runners `turns` times over every measure of the pair; ratios per turn."""
+def run_pair(pair: Pair, runners: dict[str, Runner], turns: int, yardstick: Fp32Yardstick | None = None) -> dict:
+    """Alternates the two runners `turns` times over every measure of the pair; ratios per turn.
+    With a yardstick, each turn of an fp32 pair's decode also measures the machine's read rate."""
     a, b = runners[pair.litekv.name], runners[pair.peer.name]
     result = {}
     for measure in pair.measures:
@@ -117,12 +143,16 @@ def run_pair(pair: Pair, runners: dict[str, Runner], turns: int) -> dict:
                 got[runner] = runner.measure(measure)
                 idle_cpu = max(idle_cpu, sum(r.cpu_seconds() for r in others) - before)
             rows.append({"litekv": got[a], "peer": got[b], "ratio": got[a] / got[b], "idle_cpu_s": idle_cpu})
+            if yardstick is not None and measure == "decode" and pair.litekv.precision_class == "fp32":
+                rows[-1]["machine_gb_s"] = yardstick.machine_gb_s()
         ratios = [r["ratio"] for r in rows]
         result[measure] = {"when": time.strftime("%Y-%m-%d %H:%M"), "turns": rows,
                            "ratio": statistics.median(ratios), "low": min(ratios),
                            "high": max(ratios), "litekv_tok_s": statistics.median(r["litekv"] for r in rows),
                            "peer_tok_s": statistics.median(r["peer"] for r in rows),
                            "idle_cpu_s": max(r["idle_cpu_s"] for r in rows)}
+        if "machine_gb_s" in rows[0]:
+            result[measure]["weight_bytes"] = yardstick.weight_bytes
         print(f"{pair.litekv.name} / {pair.peer.name} {measure}: {result[measure]['ratio']:.3f} "
               f"({result[measure]['low']:.3f}-{result[measure]['high']:.3f})", file=sys.stderr, flush=True)
     return result
@@ -154,6 +184,42 @@ def targets(results: dict[str, dict[str, dict]], chosen: list[System]) -> list[l
     return rows
 
 
+def read_rate_rows(results: dict[str, dict[str, dict]]) -> list[list]:
+    """Per fp32 decode pair, medians over its turns: each system's weight bytes per second and their
+    share of the machine's read rate measured after the turn, and the ceiling, the ratio litekv would
+    reach reading every weight at that rate."""
+    rows = []
+    for key, pair in results.items():
+        d = pair.get("decode", {})
+        if "weight_bytes" not in d:
+            continue
+        gb, turns = d["weight_bytes"] / 1e9, d["turns"]
+        machine = [t["machine_gb_s"] for t in turns]
+
+        def rate(side: str) -> str:
+            return (f"{statistics.median(t[side] * gb for t in turns):.1f} "
+                    f"({statistics.median(t[side] * gb / m for t, m in zip(turns, machine)):.0%})")
+
+        ceiling = statistics.median(m / (t["peer"] * gb) for t, m in zip(turns, machine))
+        rows.append([key, f"{d['weight_bytes'] / 1e6:.0f}", f"{statistics.median(machine):.1f}",
+                     rate("litekv"), rate("peer"), f"{ceiling:.2f}", f"{d['ratio']:.3f}"])
+    return rows
+
+
+def read_rate_section(results: dict[str, dict[str, dict]]) -> list[str]:
+    rows = read_rate_rows(results)
+    if not rows:
+        return []
+    return ["## fp32 decode against the machine's read rate", "",
+            "An fp32 step reads every weight once, so a system's weight bytes per second are its tok/s times "
+            "the weights' bytes (the KV cache's few MB a step left out). The machine's rate is "
+            "bench/memory_bandwidth.c's read loop over an array as large, best of 5 passes, measured after "
+            "each turn. The ceiling is the ratio litekv would reach reading every weight at that rate: "
+            "a target above it cannot be met in that turn.", "",
+            markdown_table(["pair", "weight MB per token", "machine GB/s", "litekv GB/s (share)",
+                            "peer GB/s (share)", "ceiling", "median ratio"], rows), ""]
+
+
 def report(results: dict[str, dict[str, dict]], chosen: list[System], turns: int, threads: int) -> str:
     rows = [[key, measure, f"{r['litekv_tok_s']:.1f}", f"{r['peer_tok_s']:.1f}", f"{r['ratio']:.3f}",
              f"{r['low']:.3f}-{r['high']:.3f}", f"{r['idle_cpu_s']:.2f}", r.get("when", "")]
@@ -167,6 +233,7 @@ def report(results: dict[str, dict[str, dict]], chosen: list[System], turns: int
         "## Targets", "",
         markdown_table(["litekv", "peer", "figure", "target", "median ratio", "turns' range", ""],
                        targets(results, chosen)), "",
+        *read_rate_section(results),
         "## Every pair", "",
         markdown_table(["pair", "measure", "litekv tok/s", "peer tok/s", "median ratio", "range",
                         "waiting runners' CPU s", "measured"], rows), ""])
@@ -200,12 +267,15 @@ def main() -> None:
     runners: dict[str, Runner] = {}
     results: dict[str, dict[str, dict]] = {}
     try:
-        for pair in chosen_pairs:
-            for s in (pair.litekv, pair.peer):
-                if s.name not in runners:
-                    print(f"loading {s.name}", file=sys.stderr, flush=True)
-                    runners[s.name] = Runner(s, args.threads, log_dir)
-            results[f"{pair.litekv.name} / {pair.peer.name}"] = run_pair(pair, runners, args.turns)
+        with tempfile.TemporaryDirectory() as tmp:
+            yardstick = Fp32Yardstick(Path(tmp), args.threads) if any(
+                p.litekv.precision_class == "fp32" and "decode" in p.measures for p in chosen_pairs) else None
+            for pair in chosen_pairs:
+                for s in (pair.litekv, pair.peer):
+                    if s.name not in runners:
+                        print(f"loading {s.name}", file=sys.stderr, flush=True)
+                        runners[s.name] = Runner(s, args.threads, log_dir)
+                results[f"{pair.litekv.name} / {pair.peer.name}"] = run_pair(pair, runners, args.turns, yardstick)
     finally:
         for runner in runners.values():
             runner.close()
