@@ -21,7 +21,8 @@
  * split-K "flash decoding"). With two threads, the caller and a helper thread take chunks until
  * none is left: the helper starts 15-25 us after it is signalled here (XNNPACK's worker spins on the
  * other core for that long after its last task, however the graph ends before this op), so a fixed
- * half for it would leave the caller waiting. Between calls the helper polls, then sleeps.
+ * half for it would leave the caller waiting. Between calls the helper polls, then sleeps (at once
+ * where the step's linears are not litekv's: helper_main).
  *
  * The same registration serves "litekv.linear_int4" / "litekv.linear_int8" (linear.c: a decode
  * step's quantized projections, their rows shared by the same two threads) and "litekv.rope"
@@ -109,6 +110,7 @@ typedef struct {
     pthread_mutex_t lock;
     pthread_cond_t wake;
     atomic_int stop;
+    atomic_int serves_linears; /* set once a linear's rows were shared: the helper polls between calls */
     uint64_t calls;
     Job job;
     PrefillJob prefill;     /* the call's job when kind == TASK_PREFILL */
@@ -432,10 +434,14 @@ static uint64_t take_chunks(State *st, bool helper, double delay) {
     return taken;
 }
 
-/* Between the attention ops of a step, other ops run for tens of microseconds, and waking a
- * sleeping thread costs about as much here (a VM's cross-core wake-up). So the helper polls,
- * yielding the core to any thread that wants it (XNNPACK's workers), and sleeps only once no
- * work came for IDLE_SECONDS: the application is between steps, not inside one. */
+/* Where a step's linears are litekv's too, the helper's next work is microseconds away, and waking
+ * a sleeping thread costs more than that here (a VM's cross-core wake-up). So the helper polls,
+ * yielding the core to any thread that wants it, and sleeps only once no work came for
+ * IDLE_SECONDS: the application is between steps, not inside one. Where the linears are another
+ * pool's (XNNPACK's float projections), the attention calls are hundreds of microseconds apart and
+ * the pool's worker holds the other core anyway: polling there only took time slices from that
+ * worker (an fp32 SmolLM2 decode 1-2 % slower, bench/PERFORMANCE.md, twenty-fifth round), so the
+ * helper sleeps as soon as a call's work is done. */
 static void *helper_main(void *arg) {
     State *st = arg;
     int seen = 0;
@@ -443,8 +449,9 @@ static void *helper_main(void *arg) {
         const double idle_since = seconds();
         for (int polls = 0; atomic_load_explicit(&st->generation, memory_order_acquire) == seen &&
                             !atomic_load(&st->stop); polls++) {
-            sched_yield();
-            if (polls % 64 == 63 && seconds() - idle_since > IDLE_SECONDS) {
+            const bool poll = atomic_load_explicit(&st->serves_linears, memory_order_relaxed);
+            if (poll) sched_yield();
+            if (!poll || (polls % 64 == 63 && seconds() - idle_since > IDLE_SECONDS)) {
                 pthread_mutex_lock(&st->lock);
                 while (atomic_load(&st->generation) == seen && !atomic_load(&st->stop))
                     pthread_cond_wait(&st->wake, &st->lock);
@@ -688,6 +695,7 @@ static Status compute_linear(State *st, LinearJob *job, const LentThreads *lent)
     } else {
         st->linear = *job;
         st->kind = TASK_LINEAR;
+        atomic_store_explicit(&st->serves_linears, 1, memory_order_relaxed);
         share(st, count);
     }
     return STATUS_OK;
