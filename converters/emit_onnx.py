@@ -43,6 +43,8 @@ class OnnxOps(GraphOps):
                  attention: str = "graph", prefill_linears: str = "graph", key_blocks: bool = False):
         super().__init__(cfg, weights, plan, sig, lora, tables)
         self.key_blocks = key_blocks  # litekv's Int8 attention ops keep the keys in blocks of slots
+        if key_blocks and (kv_scales is None or attention != "kernel"):
+            raise ValueError("keys in blocks need litekv's Int8 attention ops (kernel attention, an int8 cache)")
         # "kernel": this graph attends in litekv's op (DecodeAttention in the step graph, else
         # PrefillAttention; their Int8 forms over an int8 cache) over the cache GroupQueryAttention
         # would read
@@ -457,8 +459,6 @@ class OnnxOps(GraphOps):
         op = ("DecodeAttention" if self.step_graph else "PrefillAttention") + ("Int8" if int8 else "")
         out, present_k, present_v = (self._name("attn"), f"present_key_{layer}", f"present_value_{layer}")
         blocks = {"key_blocks": 1} if self.key_blocks else {}
-        if self.key_blocks and not int8:
-            raise ValueError("keys in blocks need litekv's Int8 attention ops (an int8 cache)")
         self.nodes.append(helper.make_node(
             op, inputs, [out, present_k, present_v], domain=KERNEL_DOMAIN, num_heads=cfg.num_heads,
             kv_num_heads=cfg.num_kv_heads, scale=float(scale), local_window_size=window if window else -1, **blocks))

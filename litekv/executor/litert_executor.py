@@ -145,7 +145,6 @@ class _KVMemoryPool:
 
 class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
     backend = "litert"
-    kv_layout = "BSHD"
 
     def __init__(self, bundle: str | Path, manifest: Manifest, accelerator: str = "cpu", threads: int | None = None,
                  attention_threads: int | None = None):

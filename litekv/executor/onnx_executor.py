@@ -79,7 +79,6 @@ def choose_providers(accelerator: str | list) -> tuple[str, list]:
 
 class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
     backend = "onnx"
-    kv_layout = "BHSD"
 
     def __init__(self, bundle: str | Path, manifest: Manifest, accelerator: str | list = "cpu",
                  threads: int | None = None):

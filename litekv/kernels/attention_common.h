@@ -187,6 +187,9 @@ INLINE size_t key_block_offset(size_t row, size_t head_stride, int head_dim, int
  * keys in blocks. */
 #define CACHE_KEY_BLOCKS 0x100
 
+/* Whether a cache of `slots` slots and this head_dim can hold its keys in blocks: whole blocks, and
+ * dimensions in pairs. */
+INLINE int key_blocks_fit(int64_t slots, int head_dim) { return slots % KEY_BLOCK_SLOTS == 0 && head_dim % 2 == 0; }
 INLINE size_t key_block_code(int s, int c) { return (size_t)(c / 2) * 2 * KEY_BLOCK_SLOTS + (size_t)(s % KEY_BLOCK_SLOTS) * 2 + c % 2; }
 
 /* Rows lo..hi of blocked int8 keys (key_block_offset) written as rows (Job.row, head_stride) to

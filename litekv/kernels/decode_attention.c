@@ -953,7 +953,7 @@ static Status run_key_blocks(void *user_data, size_t num_inputs, void *const *in
     const size_t width = (size_t)cfg->num_heads * cfg->head_dim, tokens = b.nq / width;
     const size_t slots = tokens ? b.nm / tokens : 0, row = slots ? b.nk / slots : 0;
     const int64_t first = n_first ? ((const int32_t *)first_slot)[0] : -1;
-    if (!tokens || b.nq % width || !slots || slots % KEY_BLOCK_SLOTS || cfg->head_dim % 2 || !row || b.nk % slots ||
+    if (!tokens || b.nq % width || !slots || !key_blocks_fit((int64_t)slots, cfg->head_dim) || !row || b.nk % slots ||
         row % cfg->head_dim || n_rows != tokens * row || first < 0 || first + (int64_t)tokens > (int64_t)slots ||
         (!prefill && tokens != 1))
         return STATUS_INVALID_ARGUMENT;
@@ -1196,7 +1196,7 @@ int litekv_attention_run(AttentionConfig *cfg, const float *query, const void *k
     const int key_blocks = (cache_type & CACHE_KEY_BLOCKS) != 0;
     cache_type &= ~CACHE_KEY_BLOCKS;
     if (heads <= 0 || kv_heads <= 0 || slots <= 0 || !valid_cache_type(cache_type) ||
-        (key_blocks && (!int8_codes(cache_type) || slots % KEY_BLOCK_SLOTS || cfg->head_dim % 2)))
+        (key_blocks && (!int8_codes(cache_type) || !key_blocks_fit(slots, cfg->head_dim))))
         return STATUS_INVALID_ARGUMENT;
     if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
     const size_t n = (size_t)slots * kv_heads * cfg->head_dim;
@@ -1218,7 +1218,7 @@ int litekv_prefill_attention_run(AttentionConfig *cfg, const float *query, const
     const int key_blocks = (cache_type & CACHE_KEY_BLOCKS) != 0;
     cache_type &= ~CACHE_KEY_BLOCKS;
     if (tokens <= 0 || kv_heads <= 0 || slots <= 0 || !valid_cache_type(cache_type) ||
-        (key_blocks && (!int8_codes(cache_type) || slots % KEY_BLOCK_SLOTS || cfg->head_dim % 2)))
+        (key_blocks && (!int8_codes(cache_type) || !key_blocks_fit(slots, cfg->head_dim))))
         return STATUS_INVALID_ARGUMENT;
     if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
     const size_t nq = (size_t)tokens * cfg->num_heads * cfg->head_dim, nk = (size_t)slots * kv_heads * cfg->head_dim;
@@ -1247,7 +1247,7 @@ int litekv_attention_head_major(AttentionConfig *cfg, const float *query, const 
     cache_type &= ~CACHE_KEY_BLOCKS;
     if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || heads > cfg->num_heads || head_dim != cfg->head_dim ||
         slots <= 0 || lo < 0 || hi < lo || hi >= slots || (cache_type != CACHE_F32 && cache_type != CACHE_I8) ||
-        (key_blocks && (cache_type != CACHE_I8 || slots % KEY_BLOCK_SLOTS || head_dim % 2)))
+        (key_blocks && (cache_type != CACHE_I8 || !key_blocks_fit(slots, head_dim))))
         return STATUS_INVALID_ARGUMENT;
     if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
     State *st = cfg->state;

@@ -700,7 +700,7 @@ static OrtStatus *attention_compute(const Kernel *kernel, void *context) {
     if (first < 0 || last >= (int64_t)slots || (rotary && last >= cos.dims[0]))
         return error(api, ORT_INVALID_ARGUMENT, "litekv attention: seqlens_k puts the tokens outside the cache (or "
                                                 "the RoPE tables)");
-    if (kernel->key_blocks && (slots % KEY_BLOCK_SLOTS || head_dim % 2))
+    if (kernel->key_blocks && !key_blocks_fit(slots, (int)head_dim))
         return error(api, ORT_INVALID_ARGUMENT, "litekv attention: keys in blocks need a cache of a multiple of 8 "
                                                 "slots and an even head_dim; reconvert the model");
     int64_t out_dims[MAX_RANK];
