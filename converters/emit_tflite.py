@@ -120,6 +120,11 @@ class TFLiteOps(GraphOps):
         # half its int8 rate on AVX2 (bench/PERFORMANCE.md, twentieth round)
         self.prefill_linears = prefill_linears
         self.kernel_linears = decode_linears == "kernel" and sig.tokens == 1
+        # One-token steps rotate q and k in litekv.rope wherever they call litekv's library anyway. In
+        # XNNPACK the rotation is a FULLY_CONNECTED, two products and a sum per tensor: 240 dispatches in
+        # a SmolLM2 step, which wake XNNPACK's worker where the linears are litekv's, and made an fp32
+        # step at 300 tokens 2.3 % longer (bench/PERFORMANCE.md, twenty-sixth round).
+        self.kernel_rope = sig.tokens == 1 and (self.kernel_linears or decode_attention == "kernel")
         self.store = store
         self.decode_attention = decode_attention  # "kernel": litekv's custom op; "graph": builtin ops
         self.prefill_attention = prefill_attention  # the same, for chunks of more than one token
@@ -224,7 +229,7 @@ class TFLiteOps(GraphOps):
                              (1, self.sig.tokens, 1, 2 * t.shape[1]))
                 for t in (cos, sin))
         cos, sin = self._full_rope[rope]
-        if self.kernel_linears:  # XNNPACK's matmul would wake its worker, which the linears' helper then waits for
+        if self.kernel_rope:
             out = self._new(x.shape)
             self.sg.custom_op(ROPE_OP_NAME, [x.ref, cos.ref, sin.ref], [out.ref])
             return out
