@@ -30,7 +30,7 @@ from litekv.bundle import SAMPLER_INPUTS
 from litekv.errors import ConfigError
 from litekv.models.base import architecture
 from litekv.models.config import ModelConfig, RopeConfig
-from litekv.native_attention import ROPE_OP_NAME, linear_op_name
+from litekv.native_attention import ROPE_ATTENTION_OP_NAMES, ROPE_OP_NAME, linear_op_name
 from litekv.native_attention import op_name as attention_op_name
 
 from .graph_ops import GraphOps, LoraSpec, Signature, Sym, rope_tables
@@ -138,6 +138,10 @@ class TFLiteOps(GraphOps):
                               "with kernel attention or another --kv-cache.")
         # int8 keys in blocks of slots (kv_layout BSHD_KB8), which litekv's attention ops write themselves
         self.key_blocks = key_blocks
+        # A one-token step over a float cache hands the op q, k and v as projected: it applies RoPE and
+        # the scale and writes the rows itself, where the graph spent 7 builtin ops a layer on that.
+        self.rope_attention = (self.kernel_rope and decode_attention == "kernel"
+                               and self.kv_dtype in ("float32", "float16") and not kv_row_scales)
         if key_blocks and ("graph" in (decode_attention, prefill_attention) or kv_scales is None):
             raise ConfigError("keys in blocks are an int8 cache that only litekv's attention kernels read.")
         self.sg = sg
@@ -229,6 +233,8 @@ class TFLiteOps(GraphOps):
                              (1, self.sig.tokens, 1, 2 * t.shape[1]))
                 for t in (cos, sin))
         cos, sin = self._full_rope[rope]
+        if self.rope_attention:  # deferred into the attention op
+            return Sym(x.ref, x.shape, x.dtype, rotary=rope)
         if self.kernel_rope:
             out = self._new(x.shape)
             self.sg.custom_op(ROPE_OP_NAME, [x.ref, cos.ref, sin.ref], [out.ref])
@@ -346,6 +352,8 @@ class TFLiteOps(GraphOps):
     def attention(self, q: Sym, k: Sym, v: Sym, layer: int, window: int | None, scale: float) -> Sym:
         cfg, t, s = self.cfg, self.sig.tokens, self.sig.capacity
         kvh, g, d = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
+        if q.rotary is not None:
+            return self._rope_attention(q, k, v, layer, window, scale)
         caches, extra = [], []  # extra: the op's inputs after the mask
         for kind, new in (("k", k), ("v", v)):
             name = f"kv_cache_{kind}_{layer}"
@@ -451,6 +459,24 @@ class TFLiteOps(GraphOps):
         out = self._new((1, t, width))
         self.sg.custom_op(op, [q.ref, caches[0].ref, caches[1].ref, mask.ref, *(x.ref for x in extra)], [out.ref])
         return out if self.kv_scales is None else self.binary("mul", out, self._kv_scale("v", layer, True))
+
+    def _rope_attention(self, q: Sym, k: Sym, v: Sym, layer: int, window: int | None, scale: float) -> Sym:
+        """One token's attention over a float cache in litekv's rope form: q and k as projected (their
+        RoPE deferred by rope()), the caches as signature inputs that the op writes this step's rows
+        into, and the slot and scale as inputs."""
+        if k.rotary != q.rotary:
+            raise ConfigError(f"layer {layer}: q and k carry different RoPE; the rope attention form takes one")
+        cos, sin = self._full_rope[q.rotary]
+        width, kv_width = self.cfg.num_heads * self.cfg.head_dim, self.cfg.num_kv_heads * self.cfg.head_dim
+        q, k, v = self.reshape(q, (1, 1, width)), self.reshape(k, (1, 1, kv_width)), self.reshape(v, (1, 1, kv_width))
+        caches = [self.kv_inputs[f"kv_cache_{kind}_{layer}"] for kind in ("k", "v")]
+        mask = self.local_mask if window is not None else self.mask
+        out = self._new((1, 1, width))
+        op = next(name for name, form in ROPE_ATTENTION_OP_NAMES.items()
+                  if form == (2 if self.kv_dtype == "float16" else 0))
+        inputs = [q, *caches, mask, k, v, cos, sin, self.first_pos, self._shared(f"attention.scale.{scale:.9g}", np.float32([scale]))]
+        self.sg.custom_op(op, [x.ref for x in inputs], [out.ref])
+        return out
 
     def _decode_attention(self, q: Sym, caches: list[Sym], mask: Sym, scale: float) -> Sym:
         """One query token against the cache as it lies in memory, [S, KVH*D], never transposed or copied.

@@ -36,8 +36,10 @@ FORMAT = "litekv-bundle"
 # 14: prefill chunks may run their int4 linears in litekv's custom ops (`prefill_linears`).
 # 15: an int8 cache may hold its keys in blocks of slots (kv_layout "BSHD_KB8" or "BHSD_KB8"), which
 # litekv's attention ops write and read.
-VERSION = 15
-READABLE_VERSIONS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+# 16: TFLite one-token steps over a float cache may attend in litekv's rope forms, which apply RoPE and
+# write the step's rows themselves (the cache tensors are then that entry point's inputs only).
+VERSION = 16
+READABLE_VERSIONS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)
 ATTENTION_KINDS = ("kernel", "graph")
 SAMPLER_SIGNATURE = "sampler"
 # The sampler graph's scalar inputs, each of shape [1], in order: (name, dtype).

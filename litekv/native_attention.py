@@ -54,6 +54,9 @@ _FORMS = {OP_NAME: (0, False), OP_NAME_INT8: (1, False), OP_NAME_F16: (2, False)
 LINEAR_OP_NAMES = {"litekv.linear_int4": 0, "litekv.linear_int8": 1}  # linear.h's LINEAR_INT4, LINEAR_INT8
 # A decode step's rotary embedding beside them: in XNNPACK its matmul would wake XNNPACK's worker.
 ROPE_OP_NAME = "litekv.rope"
+# A one-token step's attention over a float cache with its RoPE, query scale and row writes (kernels/
+# decode_attention.c): op name -> CacheType (float32, float16)
+ROPE_ATTENTION_OP_NAMES = {"litekv.decode_attention_rope": 0, "litekv.decode_attention_rope_f16": 2}
 OP_VERSION = 1
 _MODULE = "litekv._decode_attention"
 
@@ -126,6 +129,8 @@ def _load() -> ctypes.CDLL:
                         lib.litekv_linear_kernel.restype = ctypes.c_int
                         lib.litekv_rope_kernel.argtypes = [ctypes.POINTER(CustomOpKernel)]
                         lib.litekv_rope_kernel.restype = ctypes.c_int
+                        lib.litekv_attention_rope_kernel.argtypes = [ctypes.POINTER(CustomOpKernel), ctypes.c_int]
+                        lib.litekv_attention_rope_kernel.restype = ctypes.c_int
                         lib.litekv_linear_run.restype = ctypes.c_int
                         lib.litekv_linear_run.argtypes = [ctypes.POINTER(AttentionConfig), ctypes.c_int,
                                                           *[ctypes.c_void_p] * 6, *[ctypes.c_int] * 4,
@@ -278,10 +283,13 @@ class AttentionKernel:
         self._lib = lib
         self._onnx_registrations: list[int] = []  # litekv_ort_take()'s, freed by release()
         # One config (scratch, helper thread) serves every op: a model uses the pair for its cache type.
-        self.kernels = {name: CustomOpKernel() for name in (*_FORMS, *LINEAR_OP_NAMES, ROPE_OP_NAME)}
+        self.kernels = {name: CustomOpKernel()
+                        for name in (*_FORMS, *LINEAR_OP_NAMES, ROPE_OP_NAME, *ROPE_ATTENTION_OP_NAMES)}
         for name, kernel in self.kernels.items():
             if name == ROPE_OP_NAME:
                 status = lib.litekv_rope_kernel(ctypes.byref(kernel))
+            elif name in ROPE_ATTENTION_OP_NAMES:
+                status = lib.litekv_attention_rope_kernel(ctypes.byref(kernel), ROPE_ATTENTION_OP_NAMES[name])
             elif name in LINEAR_OP_NAMES:
                 status = lib.litekv_linear_kernel(ctypes.byref(kernel), LINEAR_OP_NAMES[name])
             else:

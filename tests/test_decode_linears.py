@@ -21,6 +21,8 @@ from litekv.native_attention import LINEAR_OP_NAMES, ROPE_OP_NAME, AttentionKern
 from litekv.native_attention import available as kernel_available
 from model_factory import ARCHITECTURES
 
+ROPE_ATTENTION_F16 = "litekv.decode_attention_rope_f16"
+
 pytestmark = pytest.mark.skipif(not kernel_available(), reason="the linears are litekv's kernels")
 
 
@@ -202,7 +204,8 @@ def test_decode_reads_the_prefill_weights_in_custom_ops(quantize):
     manifest = read_manifest(kernel_bundle)
     assert manifest.decode_linears == "kernel" and read_manifest(graph_bundle).decode_linears == "graph"
     customs, fc_weights = decode_ops(kernel_bundle / manifest.model_file)
-    assert f"litekv.linear_{quantize}" in customs and ROPE_OP_NAME in customs
+    # the float16 cache's attention op rotates q and k itself (its rope form), so no litekv.rope is left
+    assert f"litekv.linear_{quantize}" in customs and ROPE_ATTENTION_F16 in customs and ROPE_OP_NAME not in customs
     assert not fc_weights & {schema.TensorType.INT4, schema.TensorType.INT8}  # no quantized FULLY_CONNECTED left
     # int8 prefill keeps XNNPACK's matmuls, but for the LM head of its last row, which XNNPACK then never
     # packs; int4 prefill runs its projections in the kernel too (--prefill-linears kernel, the default)
@@ -216,7 +219,7 @@ def test_decode_reads_the_prefill_weights_in_custom_ops(quantize):
         assert manifest.prefill_linears == "graph" and schema.TensorType.INT8 in fc_weights
     customs, fc_weights = decode_ops(graph_bundle / manifest.model_file)
     assert not customs & set(LINEAR_OP_NAMES)
-    assert ROPE_OP_NAME in customs  # its attention is litekv's: the step calls the kernel library anyway
+    assert ROPE_ATTENTION_F16 in customs  # its attention is litekv's, which takes the RoPE too
     # the weights are stored once: the float scale vectors it adds are smaller than the block-sum
     # matrices and ops the graph form's decode needs
     sizes = [(b / "model.tflite").stat().st_size for b in (kernel_bundle, graph_bundle)]

@@ -49,8 +49,8 @@ def test_litert_steps_read_halves_in_the_kernel():
     """Decode and prefill entry points call the kernels' f16 forms on float16 cache tensors; the
     graph-attention bundle casts the cache with builtin ops instead."""
     expected = [("litert-graph", set())]
-    if kernel_available():  # the steps rotate q and k in litekv.rope, as they call the kernel library anyway
-        expected.append(("litert", {"litekv.decode_attention_f16", "litekv.prefill_attention_f16", "litekv.rope"}))
+    if kernel_available():  # steps in the rope form: RoPE and the row writes in the op
+        expected.append(("litert", {"litekv.decode_attention_rope_f16", "litekv.prefill_attention_f16"}))
     for backend, ops in expected:
         customs, kv_types = tflite_custom_ops_and_cache_types(fp16_kv_bundle("llama", backend) / "model.tflite")
         assert customs == ops

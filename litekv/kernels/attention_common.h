@@ -76,6 +76,24 @@ INLINE float half_to_float(uint16_t h) {
     return x.f;
 }
 
+/* x rounded to the nearest float16 (ties to even), as its bits: what a builtin CAST to float16 stores.
+ * In integer arithmetic, so it holds under the library's -fassociative-math. */
+INLINE uint16_t float_to_half(float value) {
+    union { float f; uint32_t u; } x = {value};
+    const uint16_t sign = (uint16_t)((x.u >> 16) & 0x8000u);
+    const uint32_t f = x.u & 0x7fffffffu;
+    if (f >= 0x7f800000u) return sign | (f > 0x7f800000u ? 0x7e00u : 0x7c00u); /* NaN, infinity */
+    if (f >= 0x477ff000u) return sign | 0x7c00u;                              /* 65,520 and above round to infinity */
+    const uint32_t exponent = f >> 23, mantissa = (f & 0x7fffffu) | 0x800000u;
+    /* a normal half keeps 10 of the 23 mantissa bits; below 2^-14 a subnormal keeps fewer */
+    const uint32_t shift = exponent >= 113 ? 13 : 126 - exponent;
+    if (shift > 24) return sign; /* below 2^-25: rounds to zero */
+    uint32_t bits = exponent >= 113 ? ((exponent - 112) << 10) | ((f & 0x7fffffu) >> 13) : mantissa >> shift;
+    const uint32_t rest = (exponent >= 113 ? f : mantissa) & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+    bits += rest > halfway || (rest == halfway && (bits & 1u)); /* a carry moves into the exponent, as it should */
+    return sign | (uint16_t)bits;
+}
+
 /* count float16 values (their bits) as floats. With AVX-512, 16 per instruction (vcvtph2ps); a
  * call widens a block of rows, so the check and the call are per block, not per element. */
 #if defined(__x86_64__) && defined(__GNUC__)

@@ -24,6 +24,10 @@
  * half for it would leave the caller waiting. Between calls the helper polls, then sleeps (at once
  * where the step's linears are not litekv's: helper_main).
  *
+ * "litekv.decode_attention_rope" / "litekv.decode_attention_rope_f16" take a float32 / float16 step's
+ * query and new rows as projected, and apply RoPE and the scale and write the rows themselves
+ * (run_rope), where the graph spent 7 builtin ops a layer on that.
+ *
  * The same registration serves "litekv.linear_int4" / "litekv.linear_int8" (linear.c: a decode
  * step's quantized projections, their rows shared by the same two threads) and "litekv.rope"
  * (rope.c), so that a step built with them gives XNNPACK's worker nothing to wake for.
@@ -120,6 +124,7 @@ typedef struct {
     size_t linear_scratch_bytes;
     float *prefill_scratch[2]; /* the caller's and the helper's, made at the first prefill call */
     float *zero_mask;       /* max_slots zeros: the mask of a call given its span (ONNX Runtime's op) */
+    float *rotated;         /* [2 heads * D]: a rope form's query, then its key row, after RoPE */
     int8_t *unblocked;      /* keys in blocks as rows, for the paths that read rows (made at first use) */
     size_t unblocked_bytes; /* max_slots x heads x D: room for any call's keys */
     int helper_running;
@@ -732,14 +737,15 @@ static State *state_create(int heads, int head_dim, int max_slots, int threads, 
     st->max = malloc(sizeof(float) * 2 * parts * (size_t)heads);
     st->parts = malloc(sizeof(Part) * parts);
     st->zero_mask = calloc((size_t)max_slots, sizeof(float));
+    st->rotated = malloc(sizeof(float) * 2 * width);
     if (st->int8_dot) {
         st->numerators = malloc(sizeof(int16_t) * parts * (size_t)heads * NUMERATOR_STRIDE);
         st->digit_bytes = malloc(2 * width + (sizeof(int32_t) + sizeof(float)) * (size_t)heads);
     }
-    if (!st->scores || !st->acc || !st->max || !st->parts || !st->zero_mask ||
+    if (!st->scores || !st->acc || !st->max || !st->parts || !st->zero_mask || !st->rotated ||
         (st->int8_dot && (!st->numerators || !st->digit_bytes))) {
         free(st->scores), free(st->acc), free(st->max), free(st->parts), free(st->numerators), free(st->digit_bytes);
-        free(st->zero_mask);
+        free(st->zero_mask), free(st->rotated);
         free(st);
         return NULL;
     }
@@ -773,7 +779,7 @@ static void state_destroy(State *st) {
     pthread_cond_destroy(&st->wake);
     free(st->scores), free(st->acc), free(st->max), free(st->parts), free(st->numerators), free(st->digit_bytes);
     free(st->prefill_scratch[0]), free(st->prefill_scratch[1]), free(st->linear_scratch), free(st->zero_mask);
-    free(st->unblocked);
+    free(st->unblocked), free(st->rotated);
     free(st);
 }
 
@@ -987,6 +993,72 @@ static Status op_run_prefill_int8_blocks(void *user_data, size_t num_inputs, voi
     return run_key_blocks(user_data, num_inputs, inputs, num_outputs, outputs, 1);
 }
 
+/* "litekv.decode_attention_rope" and "litekv.decode_attention_rope_f16": a decode step's attention
+ * over a float32 or float16 cache, with what the graph did before it in 7 builtin ops a layer (RoPE on
+ * the query and key, the query's scale, casting and writing the new rows), each a dispatch a step.
+ * Inputs: the query [1, 1, H*D] and the new key and value rows [1, 1, KVH*D] as the projections left
+ * them (before RoPE and the scale), the caches [1, S, KVH*D] (signature inputs only: the op writes the
+ * step's rows at `slot`), the mask [.., S], cos and sin [1, 1, 1, D] (litekv.rope's rows), the slot
+ * int32 [1] and the scale float32 [1]. Every size is checked before the rows are written. */
+enum { ROPE_INPUTS = 10 };
+
+static Status rope_attention_output_layouts(void *user_data, size_t num_inputs, const Layout *inputs,
+                                            size_t num_outputs, Layout *outputs) {
+    (void)user_data;
+    if (num_inputs != ROPE_INPUTS || num_outputs != 1) return STATUS_INVALID_ARGUMENT;
+    outputs[0] = inputs[0];
+    return STATUS_OK;
+}
+
+static Status run_rope(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs, void **outputs,
+                       int cache_type) {
+    AttentionConfig *cfg = user_data;
+    if (num_inputs != ROPE_INPUTS) return STATUS_INVALID_ARGUMENT;
+    OpBuffers b;
+    Status status = op_buffers(cfg, 4, inputs, num_outputs, outputs, cache_type, &b);
+    if (status != STATUS_OK) return status;
+    void *key, *value, *cos, *sin, *slot, *scale;
+    size_t n_key, n_value, n_cos, n_sin, n_slot, n_scale;
+    if (buffer(cfg, inputs[4], &key, &n_key, sizeof(float)) || buffer(cfg, inputs[5], &value, &n_value, sizeof(float)) ||
+        buffer(cfg, inputs[6], &cos, &n_cos, sizeof(float)) || buffer(cfg, inputs[7], &sin, &n_sin, sizeof(float)) ||
+        buffer(cfg, inputs[8], &slot, &n_slot, sizeof(int32_t)) ||
+        buffer(cfg, inputs[9], &scale, &n_scale, sizeof(float)))
+        return STATUS_RUNTIME_FAILURE;
+    State *st = cfg->state;
+    const size_t d = (size_t)cfg->head_dim, row = n_key, at = n_slot == 1 ? (size_t)((const int32_t *)slot)[0] : 0;
+    float *query = st->rotated, *key_row = st->rotated + (size_t)cfg->num_heads * d;
+    Job job;
+    if (d % 2 || b.nq != b.no || b.nq > (size_t)cfg->num_heads * d || n_value != row || n_cos != d || n_sin != d ||
+        n_slot != 1 || ((const int32_t *)slot)[0] < 0 || n_scale != 1 || !b.nm || row != b.nk / b.nm ||
+        at >= b.nm || row > b.nq ||
+        make_job(&job, query, b.nq, b.k, b.nk, b.v, b.nv, NULL, NULL, 0, cache_type, b.m, b.nm, cfg->head_dim,
+                 cfg->num_heads, st))
+        return STATUS_INVALID_ARGUMENT;
+    const float factor = ((const float *)scale)[0];
+    rope_apply(b.q, cos, sin, query, 1, (int)(b.nq / d), (int)d);
+    for (size_t i = 0; i < b.nq; i++) query[i] *= factor;
+    rope_apply(key, cos, sin, key_row, 1, (int)(row / d), (int)d);
+    if (cache_type == CACHE_F16) {
+        uint16_t *keys = (uint16_t *)b.k + at * row, *values = (uint16_t *)b.v + at * row;
+        for (size_t i = 0; i < row; i++) keys[i] = float_to_half(key_row[i]), values[i] = float_to_half(((const float *)value)[i]);
+    } else {
+        memcpy((float *)b.k + at * row, key_row, row * sizeof(float));
+        memcpy((float *)b.v + at * row, value, row * sizeof(float));
+    }
+    attend(st, &job, (int)b.nm, b.o);
+    return STATUS_OK;
+}
+
+static Status op_run_rope_f32(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
+                              void **outputs) {
+    return run_rope(user_data, num_inputs, inputs, num_outputs, outputs, CACHE_F32);
+}
+
+static Status op_run_rope_f16(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
+                              void **outputs) {
+    return run_rope(user_data, num_inputs, inputs, num_outputs, outputs, CACHE_F16);
+}
+
 /* ---- the one-token linears' callbacks --------------------------------------------------------- */
 
 /* "litekv.linear_int4": x [.., in], codes uint8 [out, in/2], block scales float16 [out, blocks],
@@ -1107,6 +1179,17 @@ int litekv_attention_kernel(Kernel *kernel, int cache_type, int prefill) {
         kernel->run = prefill ? (void *)op_run_prefill_int8_blocks : (void *)op_run_int8_blocks;
     else
         kernel->run = prefill ? prefill_runs[cache_type] : decode_runs[cache_type];
+    kernel->destroy = (void *)op_destroy;
+    return STATUS_OK;
+}
+
+/* The callbacks of "litekv.decode_attention_rope" (cache_type CACHE_F32) or "..._rope_f16" (CACHE_F16),
+ * sharing the other ops' state. */
+int litekv_attention_rope_kernel(Kernel *kernel, int cache_type) {
+    if (cache_type != CACHE_F32 && cache_type != CACHE_F16) return STATUS_INVALID_ARGUMENT;
+    kernel->init = (void *)op_init;
+    kernel->output_layouts = (void *)rope_attention_output_layouts;
+    kernel->run = cache_type == CACHE_F16 ? (void *)op_run_rope_f16 : (void *)op_run_rope_f32;
     kernel->destroy = (void *)op_destroy;
     return STATUS_OK;
 }
