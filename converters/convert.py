@@ -436,7 +436,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         kv_scales = int8_kv_scales(cfg, ckpt.weights, ckpt.tokenizer, progress=bar.stage("calibrating int8 KV"))
     if options.backend == "litert":
         from .emit_tflite import LORA_LAYOUT as TFLITE_LORA_LAYOUT
-        from .emit_tflite import emit_tflite
+        from .emit_tflite import emit_tflite, float_head_in_kernel
 
         sigs = tflite_signatures(options)
         tick = bar.stage("tracing signatures")
@@ -456,6 +456,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         model_file, sampler_file, lora_layout = "model.tflite", None, TFLITE_LORA_LAYOUT
         layout = "BSHD_KB8" if options.key_blocks else "BSHD"
         decode_model_file = None
+        lm_head_kernel = plan.lm_head == "fp32" and float_head_in_kernel(options.attention_kind)
     else:
         import onnx
 
@@ -474,7 +475,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         onnx.save_model(model, str(staging / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
                         location="model.onnx.data", size_threshold=1024)
         graphs = [("model", model, False)]
-        decode_model_file = None
+        decode_model_file, lm_head_kernel = None, False
         if linears == "kernel":  # decode steps get a graph of their own (one thread, litekv's), same weights
             step_model, _ = emit_onnx(cfg, ckpt.weights, plan, None, options.max_context, kv_scales=kv_scales,
                                       kv_dtype=options.kv_dtype, decode_linears=linears, step_graph=True, **attention)
@@ -514,6 +515,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         prefill_attention=options.prefill_attention_kind,
         decode_linears=options.linears_kind, prefill_linears=options.prefill_linears_kind,
         decode_model_file=decode_model_file,
+        lm_head_kernel=lm_head_kernel,
     )
 
 

@@ -18,6 +18,9 @@ static scale per (layer, KV head, channel): new rows are quantized in the graph,
 forms read the codes, and builtin-op attention dequantizes the cache it reads. With
 kv_dtype="float16" the cache tensors are float16: new rows are cast in the graph, the kernels'
 f16 forms read half a float32 cache's bytes, and builtin-op attention casts the cache it reads.
+Where one-token steps attend in litekv's kernel they rotate q and k in `litekv.rope`; over a float
+cache the attention op's rope form takes q, k and v as projected and writes the rows itself, so
+those steps' caches are inputs only. An fp32 LM head is then `litekv.linear_f32` over its table.
 """
 from __future__ import annotations
 
@@ -102,6 +105,14 @@ def rotate_half_matrix(dim: int) -> np.ndarray:
     return w
 
 
+def float_head_in_kernel(decode_attention: str) -> bool:
+    """Whether an fp32 LM head's one row runs in litekv's linear op (litekv.linear_f32) over the model
+    file's table, not in XNNPACK, which packs a copy: wherever the bundle calls litekv's library anyway.
+    Its rows from opposite ends on two threads read faster than XNNPACK's matrix-vector product: fp32
+    steps at 300 tokens 0.966x the time (bench/PERFORMANCE.md, twenty-sixth round)."""
+    return decode_attention == "kernel"
+
+
 class TFLiteOps(GraphOps):
     # XNNPACK packs its own copy of a constant for each op that uses it, so a shared membership
     # matrix is read once per projection: 12.5 MB of floats per SmolLM2 step. A sum reads none.
@@ -125,6 +136,7 @@ class TFLiteOps(GraphOps):
         # a SmolLM2 step, which wake XNNPACK's worker where the linears are litekv's, and made an fp32
         # step at 300 tokens 2.3 % longer (bench/PERFORMANCE.md, twenty-sixth round).
         self.kernel_rope = sig.tokens == 1 and (self.kernel_linears or decode_attention == "kernel")
+        self.float_head = float_head_in_kernel(decode_attention)
         self.store = store
         self.decode_attention = decode_attention  # "kernel": litekv's custom op; "graph": builtin ops
         self.prefill_attention = prefill_attention  # the same, for chunks of more than one token
@@ -254,10 +266,15 @@ class TFLiteOps(GraphOps):
     def project(self, x: Sym, name: str, parts: Sequence[str]) -> Sym:
         fmt = self.plan.format_for(name)
         one_row = x.shape[-2] == 1
+        float_head = one_row and fmt == "fp32" and name.startswith("lm_head") and self.float_head
         if not (one_row and self.decode_linears == "kernel" and fmt in ("int4", "int8")
-                or not one_row and self.prefill_linears == "kernel" and fmt == "int4"):
+                or not one_row and self.prefill_linears == "kernel" and fmt == "int4" or float_head):
             return super().project(x, name, parts)
         weight = self.store.matmul(name, parts, self)  # the constant prefill's FULLY_CONNECTED reads
+        if float_head:  # W itself (a tied head: the embedding table the GATHER reads), never packed by XNNPACK
+            y = self._new((*x.shape[:-1], weight.shape[0]))
+            self.sg.custom_op(linear_op_name("f32"), [x.ref, self.sg.use(weight)], [y.ref])
+            return y
         out_dim, in_dim = weight.shape
 
         def view(const: Constant, shape: tuple, dtype: str) -> int:

@@ -37,7 +37,8 @@ FORMAT = "litekv-bundle"
 # 15: an int8 cache may hold its keys in blocks of slots (kv_layout "BSHD_KB8" or "BHSD_KB8"), which
 # litekv's attention ops write and read.
 # 16: TFLite one-token steps over a float cache may attend in litekv's rope forms, which apply RoPE and
-# write the step's rows themselves (the cache tensors are then that entry point's inputs only).
+# write the step's rows themselves (the cache tensors are then that entry point's inputs only); an fp32
+# LM head may run in litekv's linear op over the model file's table (`lm_head_kernel`).
 VERSION = 16
 READABLE_VERSIONS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)
 ATTENTION_KINDS = ("kernel", "graph")
@@ -102,6 +103,9 @@ class Manifest:
     decode_linears: str = "graph"
     # Prefill chunks' int4 linears: "kernel" (litekv's ops, over the same weights) or "graph"
     prefill_linears: str = "graph"
+    # TFLite: the LM head's row in litekv's float linear op, reading the model file's table every step
+    # (so the executor keeps those pages resident instead of giving them back after each prefill)
+    lm_head_kernel: bool = False
     # ONNX: the graph decode steps run, beside `model_file` and over its weight file (decode_linears "kernel")
     decode_model_file: str | None = None
 
@@ -135,6 +139,8 @@ class Manifest:
                               "model or upgrade litekv.")
         if data["version"] >= 6 and "prefill_attention" not in data:  # only older versions default it
             raise BundleError(f"{where}: the manifest is incomplete (no prefill_attention); reconvert the model.")
+        if data["version"] < 16:  # no LM head in litekv's op before it
+            data.pop("lm_head_kernel", None)
         try:
             data.pop("format"), data.pop("version")
             data["config"] = ModelConfig.from_dict(data["config"])
@@ -156,6 +162,9 @@ class Manifest:
                                        or manifest.kv_buckets != (manifest.max_context,)):
             raise BundleError(f"{where}: a KV cache with row scales must be int8 on LiteRT with litekv's attention "
                               "kernels, at one capacity; reconvert the model.")
+        if manifest.lm_head_kernel and (manifest.backend != "litert" or manifest.decode_attention != "kernel"):
+            raise BundleError(f"{where}: an LM head in litekv's linear op needs a LiteRT bundle that attends in "
+                              "litekv's kernel; reconvert the model.")
         rows = {"litert": "BSHD", "onnx": "BHSD"}.get(manifest.backend)  # the backend's layout, keys as rows
         if rows is None or manifest.kv_layout not in (rows, rows + "_KB8"):
             raise BundleError(f"{where}: KV layout {manifest.kv_layout!r} is not one of the {manifest.backend!r} "

@@ -51,7 +51,8 @@ _FORMS = {OP_NAME: (0, False), OP_NAME_INT8: (1, False), OP_NAME_F16: (2, False)
           PREFILL_OP_NAME_INT8_BLOCKS: (1 | CACHE_KEY_BLOCKS, True)}
 # One-token linears over quantized weights (kernels/linear.c), taking their rows with the same helper
 # thread, so a decode step's parallel work never waits for XNNPACK's worker: op name -> LinearFormat
-LINEAR_OP_NAMES = {"litekv.linear_int4": 0, "litekv.linear_int8": 1}  # linear.h's LINEAR_INT4, LINEAR_INT8
+LINEAR_OP_NAMES = {"litekv.linear_int4": 0, "litekv.linear_int8": 1,  # linear.h's LINEAR_INT4, LINEAR_INT8,
+                   "litekv.linear_f32": 3}  # LINEAR_F32: an fp32 LM head's one row
 # A decode step's rotary embedding beside them: in XNNPACK its matmul would wake XNNPACK's worker.
 ROPE_OP_NAME = "litekv.rope"
 # A one-token step's attention over a float cache with its RoPE, query scale and row writes (kernels/

@@ -134,18 +134,25 @@ class ModelFilePages:
     `prefill_only`: mappings only prefill reads, given back when a prefill ends. With a LiteRT
     bundle's decode linears in litekv's kernels, decode reads the weights in the model file and
     prefill XNNPACK's packed copy of them, so each phase gives the other's pages back and the two
-    copies are never resident together."""
+    copies are never resident together.
+
+    `once`: give the pages back after loading only. Where every step reads the whole embedding table
+    from the file (an fp32 LM head in litekv's op), the rows a prefill gathers are among pages the next
+    step needs anyway, and giving them back made each prefill refault 113 MB (SmolLM2 fp32: 256-token
+    prefill 2-4 % slower)."""
 
     def __init__(self, pages: FileMappings, every_steps: int = RELEASE_EVERY_STEPS,
                  guard: Callable[[Callable[[], None]], None] = lambda release: release(),
-                 prefill_only: FileMappings | None = None):
+                 prefill_only: FileMappings | None = None, once: bool = False):
         self.pages, self.every_steps, self.guard, self.prefill_only = pages, every_steps, guard, prefill_only
         self.steps_since_release = 0
-        self.release()
+        self.guard(self.pages.release)
+        self.once = once
 
     def release(self) -> None:
         self.steps_since_release = 0
-        self.guard(self.pages.release)
+        if not self.once:
+            self.guard(self.pages.release)
 
     def release_after_steps(self) -> None:
         """A release if decode steps ran since the last one; prefill chunks release after themselves."""

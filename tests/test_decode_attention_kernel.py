@@ -382,6 +382,10 @@ def test_manifest_versions(tmp_path):
     for key in ("decode_attention", "prefill_attention"):
         with pytest.raises(BundleError, match=f"unknown {key} 'gpu'; reconvert"):
             Manifest.from_json(json.dumps({**data, key: "gpu"}), "odd")
+    assert data["lm_head_kernel"]  # an fp32 head in litekv's linear (version 16 on), only beside its attention
+    with pytest.raises(BundleError, match="LM head in litekv's linear op needs a LiteRT bundle that attends in"):
+        Manifest.from_json(json.dumps({**data, "decode_attention": "graph"}), "head without kernel")
+    assert not Manifest.from_json(json.dumps({**data, "version": 15}), "fifteen").lm_head_kernel
 
 
 def test_two_threads_agree_with_one_over_many_calls_of_any_length():

@@ -75,7 +75,7 @@ def test_int8_cache_round_trips_through_serialization(backend):
 def test_litert_steps_read_int8_codes_in_the_kernel():
     """Decode and prefill entry points call the kernels' int8 forms on int8 cache tensors; the
     graph-attention bundle dequantizes with builtin ops instead."""
-    for backend, ops in (("litert", {"litekv.decode_attention_int8", "litekv.prefill_attention_int8", "litekv.rope"}),
+    for backend, ops in (("litert", {"litekv.decode_attention_int8", "litekv.prefill_attention_int8", "litekv.rope", "litekv.linear_f32"}),
                          ("litert-graph", set())):
         customs, kv_types = tflite_custom_ops_and_cache_types(int8_kv_bundle("llama", backend) / "model.tflite")
         assert customs == ops

@@ -54,7 +54,10 @@ def test_litert_prefill_leaves_no_model_file_pages_resident(tmp_path):
     from litekv.executor import open_executor
 
     options = ConvertOptions(backend="litert", max_context=MAX_CONTEXT, prefill_lengths=PREFILL_LENGTHS,
-                             kv_buckets=KV_BUCKETS, kv_cache="fp32")
+                             kv_buckets=KV_BUCKETS, kv_cache="fp32",
+                             # builtin attention, so the fp32 head stays XNNPACK's: litekv's reads the whole
+                             # table every step, and its bundles keep those pages (test_rope_attention_op.py)
+                             decode_attention="graph", prefill_attention="graph")
     ex, ref = open_executor(convert(checkpoint_dir("llama"), tmp_path / "bundle", options)), reference("llama")
     model_file = ex.model.path
     prompt = np.random.default_rng(2).integers(3, ex.config.vocab_size, 13)
@@ -75,7 +78,10 @@ def test_litert_decode_steps_give_model_file_pages_back_periodically(tmp_path):
     from litekv.executor import open_executor
 
     options = ConvertOptions(backend="litert", max_context=MAX_CONTEXT, prefill_lengths=PREFILL_LENGTHS,
-                             kv_buckets=KV_BUCKETS, kv_cache="fp32")
+                             kv_buckets=KV_BUCKETS, kv_cache="fp32",
+                             # builtin attention, so the fp32 head stays XNNPACK's: litekv's reads the whole
+                             # table every step, and its bundles keep those pages (test_rope_attention_op.py)
+                             decode_attention="graph", prefill_attention="graph")
     ex = open_executor(convert(checkpoint_dir("llama"), tmp_path / "bundle", options))
     ex.model_pages.every_steps = 3
     cache = ex.create_kv_cache()

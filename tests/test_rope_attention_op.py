@@ -140,3 +140,42 @@ def test_a_slot_outside_the_cache_is_refused_before_any_write(rope_model, slot):
         pass
     np.testing.assert_array_equal(arrays["keys"], keys)
     np.testing.assert_array_equal(arrays["values"], values)
+
+
+def test_an_fp32_head_reads_the_table_in_litekvs_linear_and_keeps_its_pages():
+    """An fp32 LiteRT bundle that attends in litekv's kernel runs its LM head's row in litekv.linear_f32
+    over the embedding table the GATHER reads (no FULLY_CONNECTED over it, so XNNPACK packs no copy),
+    in steps and in prefill chunks; the manifest says so, and the executor gives the model file's pages
+    back once after loading, not after every prefill; the logits stay the reference's."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    from conformance import reference
+    from kv_formats import assert_steps_follow_reference, kv_format_bundle
+    from litekv.bundle import read_manifest
+    from litekv.executor import open_executor
+
+    bundle = kv_format_bundle("llama", "litert", "fp16")
+    manifest = read_manifest(bundle)
+    assert manifest.lm_head_kernel and manifest.quantization["lm_head"] == "fp32"
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAs((bundle / manifest.model_file).read_bytes(), 0))
+    codes = model.operatorCodes
+    for sig in model.signatureDefs:
+        if sig.signatureKey == b"sampler":
+            continue
+        graph = model.subgraphs[sig.subgraphIndex]
+        heads = [op for op in graph.operators if codes[op.opcodeIndex].customCode == b"litekv.linear_f32"]
+        gathers = [op for op in graph.operators if codes[op.opcodeIndex].builtinCode == schema.BuiltinOperator.GATHER
+                   and graph.tensors[op.inputs[0]].shape.tolist() == [manifest.config.vocab_size,
+                                                                       manifest.config.hidden_size]]
+        assert len(heads) == 1 and gathers, sig.signatureKey
+        head = graph.tensors[heads[0].inputs[1]]
+        assert head.shape.tolist() == [manifest.config.vocab_size, manifest.config.hidden_size]
+        if manifest.config.tie_embeddings:  # the same bytes as the embedding table, stored once
+            assert head.buffer == graph.tensors[gathers[0].inputs[0]].buffer
+        assert not [op for op in graph.operators if codes[op.opcodeIndex].builtinCode ==
+                    schema.BuiltinOperator.FULLY_CONNECTED and graph.tensors[op.inputs[1]].buffer == head.buffer]
+    ex = open_executor(bundle)
+    assert ex.model_pages is not None and ex.model_pages.once
+    assert_steps_follow_reference(ex, reference("llama"), 0.01)
+    graph_bundle = kv_format_bundle("llama", "litert-graph", "fp16")  # builtin attention: no kernel library
+    assert not read_manifest(graph_bundle).lm_head_kernel and not open_executor(graph_bundle).model_pages.once

@@ -194,7 +194,7 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             packed = (FileMappings(weight_cache, exclude=cache_mapped_before) if manifest.decode_linears == "kernel"
                       else None)
             self.model_pages = ModelFilePages(FileMappings(path, exclude=mapped_before), guard=self.model.while_open,
-                                              prefill_only=packed)
+                                              prefill_only=packed, once=manifest.lm_head_kernel)
         cfg = self.config
         self._sliding = "sliding" in cfg.layer_types
         self._sampler: _SamplerIO | None = None

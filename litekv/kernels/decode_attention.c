@@ -700,7 +700,9 @@ static Status compute_linear(State *st, LinearJob *job, const LentThreads *lent)
     } else {
         st->linear = *job;
         st->kind = TASK_LINEAR;
-        atomic_store_explicit(&st->serves_linears, 1, memory_order_relaxed);
+        /* a float head is a step's only litekv linear: between steps the helper's polling would take
+           time slices from XNNPACK's worker (helper_main), so it sleeps and this offer wakes it */
+        if (job->format != LINEAR_F32) atomic_store_explicit(&st->serves_linears, 1, memory_order_relaxed);
         share(st, count);
     }
     return STATUS_OK;
@@ -1067,7 +1069,8 @@ static Status op_run_rope_f16(void *user_data, size_t num_inputs, void *const *i
 static Status linear_output_layouts(void *user_data, size_t num_inputs, const Layout *inputs, size_t num_outputs,
                                     Layout *outputs) {
     (void)user_data;
-    if ((num_inputs != 3 && num_inputs != 5) || num_outputs != 1 || inputs[0].rank < 1 || inputs[1].rank != 2)
+    if ((num_inputs != 2 && num_inputs != 3 && num_inputs != 5) || num_outputs != 1 || inputs[0].rank < 1 ||
+        inputs[1].rank != 2)
         return STATUS_INVALID_ARGUMENT;
     outputs[0] = inputs[0];
     outputs[0].has_strides = false;
@@ -1098,6 +1101,19 @@ static Status linear_job(LinearJob *job, int format, const float *x, size_t nx, 
 static Status linear_run(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
                          void **outputs, int format) {
     AttentionConfig *cfg = user_data;
+    if (format == LINEAR_F32) {
+        /* "litekv.linear_f32": x [.., in] (one row), W float32 [out, in]. A run sees no shapes, and
+           with one row x's count is `in` and y's `out`. */
+        void *x, *w, *y;
+        size_t nx, nw, ny;
+        if (!cfg->state || num_inputs != 2 || num_outputs != 1) return STATUS_INVALID_ARGUMENT;
+        if (buffer(cfg, inputs[0], &x, &nx, sizeof(float)) || buffer(cfg, inputs[1], &w, &nw, sizeof(float)) ||
+            buffer(cfg, outputs[0], &y, &ny, sizeof(float)))
+            return STATUS_RUNTIME_FAILURE;
+        if (!nx || !ny || nw / nx != ny || nw % nx || nx > INT32_MAX || ny > INT32_MAX) return STATUS_INVALID_ARGUMENT;
+        LinearJob job = {x, y, w, NULL, NULL, NULL, LINEAR_F32, 1, (int)nx, (int)ny, 0, 0, 0, NULL, 0};
+        return linear_check(&job) ? STATUS_INVALID_ARGUMENT : compute_linear(cfg->state, &job, NULL);
+    }
     const size_t expected = format == LINEAR_INT4 ? 5 : 3;
     if (!cfg->state || num_inputs != expected || num_outputs != 1) return STATUS_INVALID_ARGUMENT;
     void *x, *codes, *y, *row_scales, *block_scales = NULL, *offsets = NULL;
@@ -1123,6 +1139,11 @@ static Status op_run_linear_int4(void *user_data, size_t num_inputs, void *const
 static Status op_run_linear_int8(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
                                  void **outputs) {
     return linear_run(user_data, num_inputs, inputs, num_outputs, outputs, LINEAR_INT8);
+}
+
+static Status op_run_linear_f32(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
+                                void **outputs) {
+    return linear_run(user_data, num_inputs, inputs, num_outputs, outputs, LINEAR_F32);
 }
 
 /* "litekv.rope": x [.., T, H, D], cos and sin [.., T, 1, D] -> [.., T, H, D]. */
@@ -1197,10 +1218,12 @@ int litekv_attention_rope_kernel(Kernel *kernel, int cache_type) {
 /* The callbacks of "litekv.linear_int4" or "litekv.linear_int8" (`format`, a LINEAR_ value),
  * sharing the attention ops' state: the same helper thread takes their rows. */
 int litekv_linear_kernel(Kernel *kernel, int format) {
-    if (format != LINEAR_INT4 && format != LINEAR_INT8) return STATUS_INVALID_ARGUMENT;
+    if (format != LINEAR_INT4 && format != LINEAR_INT8 && format != LINEAR_F32) return STATUS_INVALID_ARGUMENT;
     kernel->init = (void *)op_init;
     kernel->output_layouts = (void *)linear_output_layouts;
-    kernel->run = format == LINEAR_INT4 ? (void *)op_run_linear_int4 : (void *)op_run_linear_int8;
+    kernel->run = format == LINEAR_INT4   ? (void *)op_run_linear_int4
+                  : format == LINEAR_INT8 ? (void *)op_run_linear_int8
+                                          : (void *)op_run_linear_f32;
     kernel->destroy = (void *)op_destroy;
     return STATUS_OK;
 }
