@@ -456,7 +456,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         model_file, sampler_file, lora_layout = "model.tflite", None, TFLITE_LORA_LAYOUT
         layout = "BSHD_KB8" if options.key_blocks else "BSHD"
         decode_model_file = None
-        lm_head_kernel = plan.lm_head == "fp32" and float_head_in_kernel(options.attention_kind)
+        lm_head_kernel = float_head_in_kernel(plan.lm_head, options.attention_kind)
     else:
         import onnx
 

@@ -33,7 +33,7 @@ from litekv.bundle import SAMPLER_INPUTS
 from litekv.errors import ConfigError
 from litekv.models.base import architecture
 from litekv.models.config import ModelConfig, RopeConfig
-from litekv.native_attention import ROPE_ATTENTION_OP_NAMES, ROPE_OP_NAME, linear_op_name
+from litekv.native_attention import ROPE_OP_NAME, linear_op_name, rope_op_name
 from litekv.native_attention import op_name as attention_op_name
 
 from .graph_ops import GraphOps, LoraSpec, Signature, Sym, rope_tables
@@ -105,12 +105,12 @@ def rotate_half_matrix(dim: int) -> np.ndarray:
     return w
 
 
-def float_head_in_kernel(decode_attention: str) -> bool:
-    """Whether an fp32 LM head's one row runs in litekv's linear op (litekv.linear_f32) over the model
+def float_head_in_kernel(lm_head: str, decode_attention: str) -> bool:
+    """Whether the LM head's one row runs in litekv's linear op (litekv.linear_f32) over the model
     file's table, not in XNNPACK, which packs a copy: wherever the bundle calls litekv's library anyway.
     Its rows from opposite ends on two threads read faster than XNNPACK's matrix-vector product: fp32
-    steps at 300 tokens 0.966x the time (bench/PERFORMANCE.md, twenty-sixth round)."""
-    return decode_attention == "kernel"
+    steps at 300 tokens 0.966x the time (bench/PERFORMANCE.md, twenty-sixth round). For an fp32 head only."""
+    return lm_head == "fp32" and decode_attention == "kernel"
 
 
 class TFLiteOps(GraphOps):
@@ -136,7 +136,7 @@ class TFLiteOps(GraphOps):
         # a SmolLM2 step, which wake XNNPACK's worker where the linears are litekv's, and made an fp32
         # step at 300 tokens 2.3 % longer (bench/PERFORMANCE.md, twenty-sixth round).
         self.kernel_rope = sig.tokens == 1 and (self.kernel_linears or decode_attention == "kernel")
-        self.float_head = float_head_in_kernel(decode_attention)
+        self.float_head = float_head_in_kernel(store.plan.lm_head, decode_attention)
         self.store = store
         self.decode_attention = decode_attention  # "kernel": litekv's custom op; "graph": builtin ops
         self.prefill_attention = prefill_attention  # the same, for chunks of more than one token
@@ -152,7 +152,7 @@ class TFLiteOps(GraphOps):
         self.key_blocks = key_blocks
         # A one-token step over a float cache hands the op q, k and v as projected: it applies RoPE and
         # the scale and writes the rows itself, where the graph spent 7 builtin ops a layer on that.
-        self.rope_attention = (self.kernel_rope and decode_attention == "kernel"
+        self.rope_attention = (sig.tokens == 1 and decode_attention == "kernel"
                                and self.kv_dtype in ("float32", "float16") and not kv_row_scales)
         if key_blocks and ("graph" in (decode_attention, prefill_attention) or kv_scales is None):
             raise ConfigError("keys in blocks are an int8 cache that only litekv's attention kernels read.")
@@ -266,7 +266,7 @@ class TFLiteOps(GraphOps):
     def project(self, x: Sym, name: str, parts: Sequence[str]) -> Sym:
         fmt = self.plan.format_for(name)
         one_row = x.shape[-2] == 1
-        float_head = one_row and fmt == "fp32" and name.startswith("lm_head") and self.float_head
+        float_head = one_row and name.startswith("lm_head") and self.float_head
         if not (one_row and self.decode_linears == "kernel" and fmt in ("int4", "int8")
                 or not one_row and self.prefill_linears == "kernel" and fmt == "int4" or float_head):
             return super().project(x, name, parts)
@@ -489,10 +489,9 @@ class TFLiteOps(GraphOps):
         caches = [self.kv_inputs[f"kv_cache_{kind}_{layer}"] for kind in ("k", "v")]
         mask = self.local_mask if window is not None else self.mask
         out = self._new((1, 1, width))
-        op = next(name for name, form in ROPE_ATTENTION_OP_NAMES.items()
-                  if form == (2 if self.kv_dtype == "float16" else 0))
-        inputs = [q, *caches, mask, k, v, cos, sin, self.first_pos, self._shared(f"attention.scale.{scale:.9g}", np.float32([scale]))]
-        self.sg.custom_op(op, [x.ref for x in inputs], [out.ref])
+        scale_input = self._shared(f"attention.scale.{scale:.9g}", np.float32([scale]))
+        inputs = [q, *caches, mask, k, v, cos, sin, self.first_pos, scale_input]
+        self.sg.custom_op(rope_op_name(self.kv_dtype), [x.ref for x in inputs], [out.ref])
         return out
 
     def _decode_attention(self, q: Sym, caches: list[Sym], mask: Sym, scale: float) -> Sym:

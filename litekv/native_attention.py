@@ -67,6 +67,11 @@ def linear_op_name(weights: str) -> str:
     return f"litekv.linear_{weights}"
 
 
+def rope_op_name(kv_format: str) -> str:
+    """The rope form a one-token step calls over a cache of `kv_format` ("float32" or "float16")."""
+    return next(name for name, form in ROPE_ATTENTION_OP_NAMES.items() if form == KV_FORMATS.index(kv_format))
+
+
 def op_name(kv_format: str, prefill: bool, key_blocks: bool = False) -> str:
     """The custom op a graph calls for a cache of `kv_format` (one of KV_FORMATS), its int8 keys in
     blocks or not."""

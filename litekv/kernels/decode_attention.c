@@ -73,6 +73,8 @@
 /* A chunk's numerators, a zero after an odd count, even. A chunk holds at most CHUNK_SLOTS slots, or
  * with keys in blocks 8 more (its ends are rounded to the nearest block boundary, compute()). */
 #define NUMERATOR_STRIDE (CHUNK_SLOTS + KEY_BLOCK_SLOTS + 2)
+/* The rope forms' inputs (run_rope): query, caches, mask, new key and value rows, cos, sin, slot, scale. */
+#define ROPE_INPUTS 10
 
 typedef int Status; /* LiteRtStatus: 0 = ok */
 enum { STATUS_OK = 0, STATUS_INVALID_ARGUMENT = 1, STATUS_RUNTIME_FAILURE = 3 };
@@ -799,7 +801,9 @@ static Status op_init(void *user_data, const void *init_data, size_t init_data_s
 static Status op_output_layouts(void *user_data, size_t num_inputs, const Layout *inputs, size_t num_outputs,
                                 Layout *outputs) {
     (void)user_data;
-    if ((num_inputs != 4 && num_inputs != 6) || num_outputs != 1) return STATUS_INVALID_ARGUMENT;
+    /* 4 inputs, 6 (row scales, or keys in blocks) or ROPE_INPUTS (the rope forms) */
+    if ((num_inputs != 4 && num_inputs != 6 && num_inputs != ROPE_INPUTS) || num_outputs != 1)
+        return STATUS_INVALID_ARGUMENT;
     outputs[0] = inputs[0]; /* the output has the query's shape */
     return STATUS_OK;
 }
@@ -1002,16 +1006,6 @@ static Status op_run_prefill_int8_blocks(void *user_data, size_t num_inputs, voi
  * them (before RoPE and the scale), the caches [1, S, KVH*D] (signature inputs only: the op writes the
  * step's rows at `slot`), the mask [.., S], cos and sin [1, 1, 1, D] (litekv.rope's rows), the slot
  * int32 [1] and the scale float32 [1]. Every size is checked before the rows are written. */
-enum { ROPE_INPUTS = 10 };
-
-static Status rope_attention_output_layouts(void *user_data, size_t num_inputs, const Layout *inputs,
-                                            size_t num_outputs, Layout *outputs) {
-    (void)user_data;
-    if (num_inputs != ROPE_INPUTS || num_outputs != 1) return STATUS_INVALID_ARGUMENT;
-    outputs[0] = inputs[0];
-    return STATUS_OK;
-}
-
 static Status run_rope(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs, void **outputs,
                        int cache_type) {
     AttentionConfig *cfg = user_data;
@@ -1209,7 +1203,7 @@ int litekv_attention_kernel(Kernel *kernel, int cache_type, int prefill) {
 int litekv_attention_rope_kernel(Kernel *kernel, int cache_type) {
     if (cache_type != CACHE_F32 && cache_type != CACHE_F16) return STATUS_INVALID_ARGUMENT;
     kernel->init = (void *)op_init;
-    kernel->output_layouts = (void *)rope_attention_output_layouts;
+    kernel->output_layouts = (void *)op_output_layouts;
     kernel->run = cache_type == CACHE_F16 ? (void *)op_run_rope_f16 : (void *)op_run_rope_f32;
     kernel->destroy = (void *)op_destroy;
     return STATUS_OK;
