@@ -150,10 +150,12 @@ class TFLiteOps(GraphOps):
                               "with kernel attention or another --kv-cache.")
         # int8 keys in blocks of slots (kv_layout BSHD_KB8), which litekv's attention ops write themselves
         self.key_blocks = key_blocks
-        # A one-token step over a float cache hands the op q, k and v as projected: it applies RoPE and
-        # the scale and writes the rows itself, where the graph spent 7 builtin ops a layer on that.
-        self.rope_attention = (sig.tokens == 1 and decode_attention == "kernel"
-                               and self.kv_dtype in ("float32", "float16") and not kv_row_scales)
+        # A one-token step hands the op q, k and v as projected: it applies RoPE and the scale and writes
+        # the rows itself, where the graph spent 7 builtin ops a layer on that over a float cache, 13 over
+        # an int8 one with static scales (quantizing the rows, scaling the output).
+        self.rope_attention = (sig.tokens == 1 and decode_attention == "kernel" and not kv_row_scales
+                               and not key_blocks
+                               and (self.kv_dtype in ("float32", "float16") or kv_scales is not None))
         if key_blocks and ("graph" in (decode_attention, prefill_attention) or kv_scales is None):
             raise ConfigError("keys in blocks are an int8 cache that only litekv's attention kernels read.")
         self.sg = sg
@@ -446,11 +448,14 @@ class TFLiteOps(GraphOps):
             self.transpose(self.reshape(scales, (1, t, kvh)), (0, 2, 1))
         return codes, scales
 
+    def _kv_inverse_scale(self, kind: str, layer: int) -> Sym:
+        """1 / the static scales of one layer's K or V, as a row [KVH*D]."""
+        inverse = 1.0 / self.kv_scales[0 if kind == "k" else 1][layer].reshape(-1)
+        return self._shared(f"kv_inverse_scale.{kind}.{layer}", inverse)
+
     def _kv_codes(self, x: Sym, kind: str, layer: int) -> Sym:
         """int8 codes round(x / scale), clipped to +-127 (a symmetric range, as the calibration assumes)."""
-        inverse = 1.0 / self.kv_scales[0 if kind == "k" else 1][layer].reshape(-1)
-        codes = self._op("ROUND", [self.binary("mul", x, self._shared(f"kv_inverse_scale.{kind}.{layer}", inverse))],
-                         x.shape)
+        codes = self._op("ROUND", [self.binary("mul", x, self._kv_inverse_scale(kind, layer))], x.shape)
         codes = self._op("MINIMUM", [codes, self.const(np.float32(127))], x.shape)
         codes = self._op("MAXIMUM", [codes, self.const(np.float32(-127))], x.shape)
         return self._op("CAST", [codes], x.shape, "int8")
@@ -478,9 +483,10 @@ class TFLiteOps(GraphOps):
         return out if self.kv_scales is None else self.binary("mul", out, self._kv_scale("v", layer, True))
 
     def _rope_attention(self, q: Sym, k: Sym, v: Sym, layer: int, window: int | None, scale: float) -> Sym:
-        """One token's attention over a float cache in litekv's rope form: q and k as projected (their
-        RoPE deferred by rope()), the caches as signature inputs that the op writes this step's rows
-        into, and the slot and scale as inputs."""
+        """One token's attention in litekv's rope form: q and k as projected (their RoPE deferred by
+        rope()), the caches as signature inputs that the op writes this step's rows into, and the slot
+        and scale as inputs. Over an int8 cache, the scale is the query's factors, and the rows' inverse
+        scales and the output's factors follow (_kernel_attention's algebra, in the op)."""
         if k.rotary != q.rotary:
             raise ConfigError(f"layer {layer}: q and k carry different RoPE; the rope attention form takes one")
         cos, sin = self._full_rope[q.rotary]
@@ -489,8 +495,12 @@ class TFLiteOps(GraphOps):
         caches = [self.kv_inputs[f"kv_cache_{kind}_{layer}"] for kind in ("k", "v")]
         mask = self.local_mask if window is not None else self.mask
         out = self._new((1, 1, width))
-        scale_input = self._shared(f"attention.scale.{scale:.9g}", np.float32([scale]))
-        inputs = [q, *caches, mask, k, v, cos, sin, self.first_pos, scale_input]
+        if self.kv_scales is None:
+            factors = [self._shared(f"attention.scale.{scale:.9g}", np.float32([scale]))]
+        else:
+            factors = [self._kv_scale("k", layer, True, scale), self._kv_inverse_scale("k", layer),
+                       self._kv_inverse_scale("v", layer), self._kv_scale("v", layer, True)]
+        inputs = [q, *caches, mask, k, v, cos, sin, self.first_pos, *factors]
         self.sg.custom_op(rope_op_name(self.kv_dtype), [x.ref for x in inputs], [out.ref])
         return out
 

@@ -39,8 +39,10 @@ FORMAT = "litekv-bundle"
 # 16: TFLite one-token steps over a float cache may attend in litekv's rope forms, which apply RoPE and
 # write the step's rows themselves (the cache tensors are then that entry point's inputs only); an fp32
 # LM head may run in litekv's linear op over the model file's table (`lm_head_kernel`).
-VERSION = 16
-READABLE_VERSIONS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)
+# 17: the rope form over an int8 cache with static scales (litekv.decode_attention_rope_int8), which
+# quantizes and writes the step's rows and scales the output itself.
+VERSION = 17
+READABLE_VERSIONS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)
 ATTENTION_KINDS = ("kernel", "graph")
 SAMPLER_SIGNATURE = "sampler"
 # The sampler graph's scalar inputs, each of shape [1], in order: (name, dtype).

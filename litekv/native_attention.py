@@ -55,9 +55,10 @@ LINEAR_OP_NAMES = {"litekv.linear_int4": 0, "litekv.linear_int8": 1,  # linear.h
                    "litekv.linear_f32": 3}  # LINEAR_F32: an fp32 LM head's one row
 # A decode step's rotary embedding beside them: in XNNPACK its matmul would wake XNNPACK's worker.
 ROPE_OP_NAME = "litekv.rope"
-# A one-token step's attention over a float cache with its RoPE, query scale and row writes (kernels/
-# decode_attention.c): op name -> CacheType (float32, float16)
-ROPE_ATTENTION_OP_NAMES = {"litekv.decode_attention_rope": 0, "litekv.decode_attention_rope_f16": 2}
+# A one-token step's attention with its RoPE, query scale and row writes (kernels/decode_attention.c), over
+# a float cache or an int8 one with static scales: op name -> CacheType (float32, int8, float16)
+ROPE_ATTENTION_OP_NAMES = {"litekv.decode_attention_rope": 0, "litekv.decode_attention_rope_int8": 1,
+                           "litekv.decode_attention_rope_f16": 2}
 OP_VERSION = 1
 _MODULE = "litekv._decode_attention"
 
@@ -68,7 +69,8 @@ def linear_op_name(weights: str) -> str:
 
 
 def rope_op_name(kv_format: str) -> str:
-    """The rope form a one-token step calls over a cache of `kv_format` ("float32" or "float16")."""
+    """The rope form a one-token step calls over a cache of `kv_format` ("float32", "float16" or "int8",
+    static scales)."""
     return next(name for name, form in ROPE_ATTENTION_OP_NAMES.items() if form == KV_FORMATS.index(kv_format))
 
 

@@ -73,13 +73,40 @@ def test_int8_cache_round_trips_through_serialization(backend):
 
 @pytest.mark.skipif(not kernel_available(), reason="no kernel")
 def test_litert_steps_read_int8_codes_in_the_kernel():
-    """Decode and prefill entry points call the kernels' int8 forms on int8 cache tensors; the
-    graph-attention bundle dequantizes with builtin ops instead."""
-    for backend, ops in (("litert", {"litekv.decode_attention_int8", "litekv.prefill_attention_int8", "litekv.rope", "litekv.linear_f32"}),
+    """Decode and prefill entry points call the kernels' int8 forms on int8 cache tensors (decode its
+    rope form, which also rotates, quantizes and writes the step's rows); the graph-attention bundle
+    dequantizes with builtin ops instead."""
+    for backend, ops in (("litert", {"litekv.decode_attention_rope_int8", "litekv.prefill_attention_int8",
+                                     "litekv.linear_f32"}),
                          ("litert-graph", set())):
         customs, kv_types = tflite_custom_ops_and_cache_types(int8_kv_bundle("llama", backend) / "model.tflite")
         assert customs == ops
         assert kv_types and all(t == schema.TensorType.INT8 for t in kv_types)
+
+
+@pytest.mark.skipif(not kernel_available(), reason="no kernel")
+def test_litert_decode_quantizes_and_writes_rows_in_the_op():
+    """The one-token entry point leaves rotating, quantizing and writing its rows to the rope form (no
+    ROUND, CAST or DYNAMIC_UPDATE_SLICE, and the cache tensors are its inputs only); prefill chunks
+    still quantize and write theirs with builtin ops."""
+    bundle = int8_kv_bundle("llama", "litert")
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAs((bundle / "model.tflite").read_bytes(), 0))
+    builtin = schema.BuiltinOperator
+    row_ops = {builtin.ROUND, builtin.CAST, builtin.DYNAMIC_UPDATE_SLICE}
+    seen = set()
+    for sig in model.signatureDefs:
+        key = sig.signatureKey.decode()
+        if key == "sampler":
+            continue
+        graph = model.subgraphs[sig.subgraphIndex]
+        codes = {model.operatorCodes[op.opcodeIndex].builtinCode for op in graph.operators}
+        outputs = {o.name.decode() for o in sig.outputs}
+        if key.startswith("prefill"):
+            assert row_ops <= codes and any(name.startswith("kv_cache_") for name in outputs), key
+        else:
+            assert not row_ops & codes and not any(name.startswith("kv_cache_") for name in outputs), key
+        seen.add(key.startswith("prefill"))
+    assert seen == {True, False}
 
 
 @lru_cache(maxsize=1)

@@ -1,8 +1,9 @@
-"""litekv's rope forms of the decode-attention op ("litekv.decode_attention_rope", "..._rope_f16"):
-a one-token step over a float cache hands the op q, k and v as projected; the op applies RoPE and
-the scale, writes the step's rows into the cache at its slot, and attends (kernels/decode_attention.c).
-Checked in a compiled TFLite model against numpy: the rows it writes (float16 rounding included),
-the rows it leaves, its output, and its refusals."""
+"""litekv's rope forms of the decode-attention op ("litekv.decode_attention_rope", "..._rope_f16",
+"..._rope_int8"): a one-token step hands the op q, k and v as projected; the op applies RoPE and the
+scale, writes the step's rows into the cache at its slot (float16 rounded, or int8 codes of static
+per-channel scales), and attends (kernels/decode_attention.c). Checked in a compiled TFLite model
+against numpy: the rows it writes (float16 and int8 rounding included), the rows it leaves, its
+output, and its refusals."""
 from __future__ import annotations
 
 import numpy as np
@@ -34,7 +35,7 @@ def numpy_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: n
     return np.concatenate(out)
 
 
-@pytest.fixture(scope="module", params=["float32", "float16"])
+@pytest.fixture(scope="module", params=["float32", "float16", "int8"])
 def rope_model(request, tmp_path_factory):
     """A TFLite model of one rope-form call over a cache of the param's dtype, compiled with the
     kernel registered, and host arrays bound to it."""
@@ -50,6 +51,9 @@ def rope_model(request, tmp_path_factory):
               "key": ((1, 1, KV_HEADS * HEAD_DIM), "float32"), "value": ((1, 1, KV_HEADS * HEAD_DIM), "float32"),
               "cos": ((1, 1, 1, HEAD_DIM), "float32"), "sin": ((1, 1, 1, HEAD_DIM), "float32"),
               "slot": ((1,), "int32"), "scale": ((1,), "float32")}
+    if dtype == "int8":  # the query's factors, the rows' inverse scales, the output's factors
+        shapes |= {"scale": ((HEADS * HEAD_DIM,), "float32"), "key_inverse": ((KV_HEADS * HEAD_DIM,), "float32"),
+                   "value_inverse": ((KV_HEADS * HEAD_DIM,), "float32"), "out_factor": ((HEADS * HEAD_DIM,), "float32")}
     writer = TFLiteModelWriter()
     sg = writer.add_signature("step")
     inputs = [sg.add_input(n, shape, d) for n, (shape, d) in shapes.items()]
@@ -69,38 +73,89 @@ def rope_model(request, tmp_path_factory):
     kernel.release()
 
 
-def fill(arrays: dict, slot: int, seed: int, identity: bool = False) -> None:
+def fill(arrays: dict, slot: int, seed: int, identity: bool = False) -> dict:
+    """Random inputs; for an int8 cache, random codes and static scales [KVH * D] ("k", "v"), which it
+    returns, with the op's factors made from them as the converter makes them."""
     rng = np.random.default_rng(seed)
     for name in ("query", "keys", "values", "key", "value"):
-        arrays[name][...] = rng.standard_normal(arrays[name].shape)
+        if arrays[name].dtype == np.int8:
+            arrays[name][...] = rng.integers(-127, 128, arrays[name].shape)
+        else:
+            arrays[name][...] = rng.standard_normal(arrays[name].shape)
     angles = rng.uniform(-np.pi, np.pi, HEAD_DIM // 2)
     arrays["cos"][...] = 1.0 if identity else np.tile(np.cos(angles), 2)
     arrays["sin"][...] = 0.0 if identity else np.tile(np.sin(angles), 2)
     arrays["mask"][...] = MASKED
     arrays["mask"][..., :slot + 1] = 0.0
     arrays["slot"][0] = slot
-    arrays["scale"][0] = 0.125
+    if arrays["keys"].dtype != np.int8:
+        arrays["scale"][0] = 0.125
+        return {}
+    scales = {kind: rng.uniform(0.01, 0.05, KV_HEADS * HEAD_DIM).astype(np.float32) for kind in "kv"}
+    per_query_head = {kind: np.repeat(scales[kind].reshape(KV_HEADS, HEAD_DIM), HEADS // KV_HEADS, axis=0).reshape(-1)
+                      for kind in "kv"}
+    arrays["scale"][...] = per_query_head["k"] * np.float32(0.125)
+    arrays["key_inverse"][...] = 1.0 / scales["k"]
+    arrays["value_inverse"][...] = 1.0 / scales["v"]
+    arrays["out_factor"][...] = per_query_head["v"]
+    return scales
+
+
+def int8_codes(x: np.ndarray, inverse: np.ndarray) -> np.ndarray:
+    """What the graph's MUL, ROUND (ties to even), MINIMUM, MAXIMUM and CAST store."""
+    return np.clip(np.rint(x.astype(np.float32) * inverse), -127, 127).astype(np.int8)
 
 
 @pytest.mark.parametrize("slot", [0, 37, SLOTS - 1])
 def test_the_op_writes_the_rotated_rows_and_attends_over_them(rope_model, slot):
     dtype, arrays, result, run = rope_model
-    fill(arrays, slot, seed=slot)
+    scales = fill(arrays, slot, seed=slot)
     before_keys, before_values = arrays["keys"].copy(), arrays["values"].copy()
     cos, sin = arrays["cos"].reshape(-1), arrays["sin"].reshape(-1)
     run()
     key = rotate_half(arrays["key"].reshape(KV_HEADS, HEAD_DIM), cos, sin).reshape(-1)
-    np.testing.assert_allclose(arrays["keys"][0, slot].astype(np.float32), key.astype(dtype).astype(np.float32),
-                               rtol=1e-6 if dtype == "float32" else 1e-3, atol=1e-7)
-    np.testing.assert_array_equal(arrays["values"][0, slot], arrays["value"].reshape(-1).astype(dtype))
+    value = arrays["value"].reshape(-1)
+    if dtype == "int8":  # the rotation's rounding may differ from numpy's by an ulp: a code by one at most
+        written = arrays["keys"][0, slot].astype(np.int32)
+        want_key = int8_codes(key, arrays["key_inverse"]).astype(np.int32)
+        assert np.abs(written - want_key).max() <= 1 and np.mean(written == want_key) > 0.97
+        np.testing.assert_array_equal(arrays["values"][0, slot], int8_codes(value, arrays["value_inverse"]))
+    else:
+        np.testing.assert_allclose(arrays["keys"][0, slot].astype(np.float32), key.astype(dtype).astype(np.float32),
+                                   rtol=1e-6 if dtype == "float32" else 1e-3, atol=1e-7)
+        np.testing.assert_array_equal(arrays["values"][0, slot], value.astype(dtype))
     others = np.arange(SLOTS) != slot  # every other row as it was
     np.testing.assert_array_equal(arrays["keys"][0, others], before_keys[0, others])
     np.testing.assert_array_equal(arrays["values"][0, others], before_values[0, others])
     q = rotate_half(arrays["query"].reshape(HEADS, HEAD_DIM), cos, sin) * np.float32(0.125)
-    keys = arrays["keys"][0].astype(np.float64).reshape(SLOTS, KV_HEADS, HEAD_DIM)
-    values = arrays["values"][0].astype(np.float64).reshape(SLOTS, KV_HEADS, HEAD_DIM)
-    want = numpy_attention(q.astype(np.float64), keys, values, arrays["mask"].reshape(-1).astype(np.float64))
-    np.testing.assert_allclose(result.reshape(-1), want, atol=2e-5, rtol=1e-4)
+    keys = arrays["keys"][0].astype(np.float64) * (scales["k"] if scales else 1.0)
+    values = arrays["values"][0].astype(np.float64) * (scales["v"] if scales else 1.0)
+    want = numpy_attention(q.astype(np.float64), keys.reshape(SLOTS, KV_HEADS, HEAD_DIM),
+                           values.reshape(SLOTS, KV_HEADS, HEAD_DIM), arrays["mask"].reshape(-1).astype(np.float64))
+    # int8: the kernel rounds the query to 16-bit words and the softmax numerators to 15 bits
+    tolerance = {"atol": 2e-3, "rtol": 1e-2} if dtype == "int8" else {"atol": 2e-5, "rtol": 1e-4}
+    np.testing.assert_allclose(result.reshape(-1), want, **tolerance)
+
+
+def test_int8_rows_round_like_the_graph(rope_model):
+    """With the identity rotation the op's int8 codes are the graph's bit for bit: products that land
+    on a half round to even, and values past the calibrated range clip at +-127."""
+    dtype, arrays, result, run = rope_model
+    if dtype != "int8":
+        pytest.skip("an int8 cache's codes")
+    fill(arrays, 9, seed=3, identity=True)
+    rng = np.random.default_rng(11)
+    arrays["key"][...] = (rng.standard_normal(arrays["key"].shape) * 0.05).astype(np.float32)
+    ties = np.array([0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -126.5, 127.5, 200.0, -1e9, 0.0], np.float32)
+    arrays["key_inverse"][:len(ties)] = 1.0
+    arrays["key"].reshape(-1)[:len(ties)] = ties
+    arrays["value"][...] = arrays["key"]
+    arrays["value_inverse"][...] = arrays["key_inverse"]
+    run()
+    want = int8_codes(arrays["key"].reshape(-1), arrays["key_inverse"])
+    assert want[:len(ties)].tolist() == [0, 2, 2, 0, -2, 126, -126, 127, 127, -127, 0]
+    np.testing.assert_array_equal(arrays["keys"][0, 9], want)
+    np.testing.assert_array_equal(arrays["values"][0, 9], want)
 
 
 def test_float16_rows_round_like_a_cast(rope_model):

@@ -75,6 +75,9 @@
 #define NUMERATOR_STRIDE (CHUNK_SLOTS + KEY_BLOCK_SLOTS + 2)
 /* The rope forms' inputs (run_rope): query, caches, mask, new key and value rows, cos, sin, slot, scale. */
 #define ROPE_INPUTS 10
+/* The int8 rope form's: the same 9, then the query's factors, the key and value rows' inverse scales
+ * and the output's factors, in place of the scale. */
+#define ROPE_INT8_INPUTS 13
 
 typedef int Status; /* LiteRtStatus: 0 = ok */
 enum { STATUS_OK = 0, STATUS_INVALID_ARGUMENT = 1, STATUS_RUNTIME_FAILURE = 3 };
@@ -801,8 +804,9 @@ static Status op_init(void *user_data, const void *init_data, size_t init_data_s
 static Status op_output_layouts(void *user_data, size_t num_inputs, const Layout *inputs, size_t num_outputs,
                                 Layout *outputs) {
     (void)user_data;
-    /* 4 inputs, 6 (row scales, or keys in blocks) or ROPE_INPUTS (the rope forms) */
-    if ((num_inputs != 4 && num_inputs != 6 && num_inputs != ROPE_INPUTS) || num_outputs != 1)
+    /* 4 inputs, 6 (row scales, or keys in blocks), ROPE_INPUTS or ROPE_INT8_INPUTS (the rope forms) */
+    if ((num_inputs != 4 && num_inputs != 6 && num_inputs != ROPE_INPUTS && num_inputs != ROPE_INT8_INPUTS) ||
+        num_outputs != 1)
         return STATUS_INVALID_ARGUMENT;
     outputs[0] = inputs[0]; /* the output has the query's shape */
     return STATUS_OK;
@@ -999,42 +1003,68 @@ static Status op_run_prefill_int8_blocks(void *user_data, size_t num_inputs, voi
     return run_key_blocks(user_data, num_inputs, inputs, num_outputs, outputs, 1);
 }
 
-/* "litekv.decode_attention_rope" and "litekv.decode_attention_rope_f16": a decode step's attention
- * over a float32 or float16 cache, with what the graph did before it in 7 builtin ops a layer (RoPE on
- * the query and key, the query's scale, casting and writing the new rows), each a dispatch a step.
+/* int8 codes round(x * inverse) (ties to even, as a builtin ROUND), clipped to +-127: what the graph's
+ * MUL, ROUND, MINIMUM, MAXIMUM and CAST store for an int8 cache's new row. */
+static void quantize_row(const float *x, const float *inverse, size_t n, int8_t *codes) {
+    for (size_t i = 0; i < n; i++) {
+        const float code = __builtin_rintf(x[i] * inverse[i]);
+        codes[i] = (int8_t)(code > 127.0f ? 127.0f : code < -127.0f ? -127.0f : code);
+    }
+}
+
+/* "litekv.decode_attention_rope", "..._rope_f16" and "..._rope_int8": a decode step's attention over a
+ * float32, float16 or statically scaled int8 cache, with what the graph did before it in 7 builtin
+ * ops a layer (13 for int8: RoPE on the query and key, the query's scale, converting and writing the
+ * new rows, and for int8 the output's scale), each a dispatch a step.
  * Inputs: the query [1, 1, H*D] and the new key and value rows [1, 1, KVH*D] as the projections left
  * them (before RoPE and the scale), the caches [1, S, KVH*D] (signature inputs only: the op writes the
- * step's rows at `slot`), the mask [.., S], cos and sin [1, 1, 1, D] (litekv.rope's rows), the slot
- * int32 [1] and the scale float32 [1]. Every size is checked before the rows are written. */
+ * step's rows at `slot`), the mask [.., S], cos and sin [1, 1, 1, D] (litekv.rope's rows) and the slot
+ * int32 [1]. Then the float forms take the scale float32 [1]; the int8 form the query's factors [H*D]
+ * (the attention scale times each channel's key scale, as q . (codes * s) = (q * s) . codes), the key
+ * and value rows' inverse scales [KVH*D], and the output's factors [H*D] (each channel's value scale).
+ * Every size is checked before the rows are written. */
 static Status run_rope(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs, void **outputs,
                        int cache_type) {
     AttentionConfig *cfg = user_data;
-    if (num_inputs != ROPE_INPUTS) return STATUS_INVALID_ARGUMENT;
+    const int int8 = cache_type == CACHE_I8;
+    if (num_inputs != (int8 ? ROPE_INT8_INPUTS : ROPE_INPUTS)) return STATUS_INVALID_ARGUMENT;
     OpBuffers b;
     Status status = op_buffers(cfg, 4, inputs, num_outputs, outputs, cache_type, &b);
     if (status != STATUS_OK) return status;
-    void *key, *value, *cos, *sin, *slot, *scale;
-    size_t n_key, n_value, n_cos, n_sin, n_slot, n_scale;
+    void *key, *value, *cos, *sin, *slot, *scale, *key_inverse = NULL, *value_inverse = NULL, *out_factor = NULL;
+    size_t n_key, n_value, n_cos, n_sin, n_slot, n_scale, n_key_inverse = 0, n_value_inverse = 0, n_out_factor = 0;
     if (buffer(cfg, inputs[4], &key, &n_key, sizeof(float)) || buffer(cfg, inputs[5], &value, &n_value, sizeof(float)) ||
         buffer(cfg, inputs[6], &cos, &n_cos, sizeof(float)) || buffer(cfg, inputs[7], &sin, &n_sin, sizeof(float)) ||
         buffer(cfg, inputs[8], &slot, &n_slot, sizeof(int32_t)) ||
         buffer(cfg, inputs[9], &scale, &n_scale, sizeof(float)))
         return STATUS_RUNTIME_FAILURE;
+    if (int8 && (buffer(cfg, inputs[10], &key_inverse, &n_key_inverse, sizeof(float)) ||
+                 buffer(cfg, inputs[11], &value_inverse, &n_value_inverse, sizeof(float)) ||
+                 buffer(cfg, inputs[12], &out_factor, &n_out_factor, sizeof(float))))
+        return STATUS_RUNTIME_FAILURE;
     State *st = cfg->state;
     const size_t d = (size_t)cfg->head_dim, row = n_key, at = n_slot == 1 ? (size_t)((const int32_t *)slot)[0] : 0;
     float *query = st->rotated, *key_row = st->rotated + (size_t)cfg->num_heads * d;
     Job job;
+    const int factors_fit = int8 ? n_scale == b.nq && n_key_inverse == row && n_value_inverse == row &&
+                                       n_out_factor == b.nq
+                                 : n_scale == 1;
     if (d % 2 || b.nq != b.no || b.nq > (size_t)cfg->num_heads * d || n_value != row || n_cos != d || n_sin != d ||
-        n_slot != 1 || ((const int32_t *)slot)[0] < 0 || n_scale != 1 || !b.nm || row != b.nk / b.nm ||
+        n_slot != 1 || ((const int32_t *)slot)[0] < 0 || !factors_fit || !b.nm || row != b.nk / b.nm ||
         at >= b.nm || row > b.nq ||
         make_job(&job, query, b.nq, b.k, b.nk, b.v, b.nv, NULL, NULL, 0, cache_type, b.m, b.nm, cfg->head_dim,
                  cfg->num_heads, st))
         return STATUS_INVALID_ARGUMENT;
-    const float factor = ((const float *)scale)[0];
     rope_apply(b.q, cos, sin, query, 1, (int)(b.nq / d), (int)d);
-    for (size_t i = 0; i < b.nq; i++) query[i] *= factor;
+    if (int8)
+        for (size_t i = 0; i < b.nq; i++) query[i] *= ((const float *)scale)[i];
+    else
+        for (size_t i = 0; i < b.nq; i++) query[i] *= ((const float *)scale)[0];
     rope_apply(key, cos, sin, key_row, 1, (int)(row / d), (int)d);
-    if (cache_type == CACHE_F16) {
+    if (int8) {
+        quantize_row(key_row, key_inverse, row, (int8_t *)b.k + at * row);
+        quantize_row(value, value_inverse, row, (int8_t *)b.v + at * row);
+    } else if (cache_type == CACHE_F16) {
         uint16_t *keys = (uint16_t *)b.k + at * row, *values = (uint16_t *)b.v + at * row;
         for (size_t i = 0; i < row; i++) keys[i] = float_to_half(key_row[i]), values[i] = float_to_half(((const float *)value)[i]);
     } else {
@@ -1042,6 +1072,8 @@ static Status run_rope(void *user_data, size_t num_inputs, void *const *inputs, 
         memcpy((float *)b.v + at * row, value, row * sizeof(float));
     }
     attend(st, &job, (int)b.nm, b.o);
+    if (int8)
+        for (size_t i = 0; i < b.no; i++) ((float *)b.o)[i] *= ((const float *)out_factor)[i];
     return STATUS_OK;
 }
 
@@ -1053,6 +1085,11 @@ static Status op_run_rope_f32(void *user_data, size_t num_inputs, void *const *i
 static Status op_run_rope_f16(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
                               void **outputs) {
     return run_rope(user_data, num_inputs, inputs, num_outputs, outputs, CACHE_F16);
+}
+
+static Status op_run_rope_int8(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
+                               void **outputs) {
+    return run_rope(user_data, num_inputs, inputs, num_outputs, outputs, CACHE_I8);
 }
 
 /* ---- the one-token linears' callbacks --------------------------------------------------------- */
@@ -1198,13 +1235,15 @@ int litekv_attention_kernel(Kernel *kernel, int cache_type, int prefill) {
     return STATUS_OK;
 }
 
-/* The callbacks of "litekv.decode_attention_rope" (cache_type CACHE_F32) or "..._rope_f16" (CACHE_F16),
- * sharing the other ops' state. */
+/* The callbacks of "litekv.decode_attention_rope" (cache_type CACHE_F32), "..._rope_f16" (CACHE_F16) or
+ * "..._rope_int8" (CACHE_I8: static scales), sharing the other ops' state. */
 int litekv_attention_rope_kernel(Kernel *kernel, int cache_type) {
-    if (cache_type != CACHE_F32 && cache_type != CACHE_F16) return STATUS_INVALID_ARGUMENT;
+    if (cache_type != CACHE_F32 && cache_type != CACHE_F16 && cache_type != CACHE_I8) return STATUS_INVALID_ARGUMENT;
     kernel->init = (void *)op_init;
     kernel->output_layouts = (void *)op_output_layouts;
-    kernel->run = cache_type == CACHE_F16 ? (void *)op_run_rope_f16 : (void *)op_run_rope_f32;
+    kernel->run = cache_type == CACHE_F16  ? (void *)op_run_rope_f16
+                  : cache_type == CACHE_I8 ? (void *)op_run_rope_int8
+                                           : (void *)op_run_rope_f32;
     kernel->destroy = (void *)op_destroy;
     return STATUS_OK;
 }
