@@ -630,6 +630,12 @@ KERNEL void weigh_tile_words(const Job *job, Part *part, int kv, int h0, int G, 
         for (int m = 0; m < 2 * CB; m++) acc[g][m] = _mm256_setzero_si256();
     for (int i0 = 0; i0 < rows; i0 += 4) { /* the stream advances every 4 slots, as in weigh_tile */
         share_step(st, sh);
+        if (G == 3 && i0 + 4 <= rows) { /* two whole pairs: no partner to choose (2-3 % of a call on one thread) */
+            const int8_t *a = v + (size_t)i0 * row;
+            weigh_pair3(a, a + row, w + i0, numerator_stride, acc);
+            weigh_pair3(a + 2 * row, a + 3 * row, w + i0 + 2, numerator_stride, acc);
+            continue;
+        }
         const int end = rows - i0 < 4 ? rows : i0 + 4;
         for (int i = i0; i < end; i += 2) {
             /* an odd last slot pairs with itself, its partner's numerator 0 (numerators[n]) */
