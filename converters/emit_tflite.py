@@ -151,8 +151,8 @@ class TFLiteOps(GraphOps):
         # int8 keys in blocks of slots (kv_layout BSHD_KB8), which litekv's attention ops write themselves
         self.key_blocks = key_blocks
         # A one-token step hands the op q, k and v as projected: it applies RoPE and the scale and writes
-        # the rows itself, where the graph spent 7 builtin ops a layer on that over a float cache, 13 over
-        # an int8 one with static scales (quantizing the rows, scaling the output).
+        # the rows itself, where the graph spent 7 ops a layer on that over a float cache, 16 over an int8
+        # one with static scales (quantizing the rows: MUL, ROUND, MINIMUM, MAXIMUM; scaling the output).
         self.rope_attention = (sig.tokens == 1 and decode_attention == "kernel" and not kv_row_scales
                                and not key_blocks
                                and (self.kv_dtype in ("float32", "float16") or kv_scales is not None))

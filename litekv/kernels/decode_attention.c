@@ -1013,9 +1013,9 @@ static void quantize_row(const float *x, const float *inverse, size_t n, int8_t 
 }
 
 /* "litekv.decode_attention_rope", "..._rope_f16" and "..._rope_int8": a decode step's attention over a
- * float32, float16 or statically scaled int8 cache, with what the graph did before it in 7 builtin
- * ops a layer (13 for int8: RoPE on the query and key, the query's scale, converting and writing the
- * new rows, and for int8 the output's scale), each a dispatch a step.
+ * float32, float16 or statically scaled int8 cache, with what the graph did around it in 7 ops a
+ * layer (16 for int8: RoPE on the query and key, the query's scale, converting and writing the new
+ * rows, and for int8 the output's scale), each a dispatch a step.
  * Inputs: the query [1, 1, H*D] and the new key and value rows [1, 1, KVH*D] as the projections left
  * them (before RoPE and the scale), the caches [1, S, KVH*D] (signature inputs only: the op writes the
  * step's rows at `slot`), the mask [.., S], cos and sin [1, 1, 1, D] (litekv.rope's rows) and the slot
