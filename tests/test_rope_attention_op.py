@@ -44,8 +44,7 @@ def rope_model(request, tmp_path_factory):
     from litekv.litert_capi import HostTensorBuffer, aligned_zeros
 
     dtype = request.param
-    name = next(n for n, form in native_attention.ROPE_ATTENTION_OP_NAMES.items()
-                if form == native_attention.KV_FORMATS.index(dtype))
+    name = native_attention.rope_op_name(dtype)
     shapes = {"query": ((1, 1, HEADS * HEAD_DIM), "float32"), "keys": ((1, SLOTS, KV_HEADS * HEAD_DIM), dtype),
               "values": ((1, SLOTS, KV_HEADS * HEAD_DIM), dtype), "mask": ((1, 1, 1, SLOTS), "float32"),
               "key": ((1, 1, KV_HEADS * HEAD_DIM), "float32"), "value": ((1, 1, KV_HEADS * HEAD_DIM), "float32"),

@@ -24,9 +24,10 @@
  * half for it would leave the caller waiting. Between calls the helper polls, then sleeps (at once
  * where the step's linears are not litekv's: helper_main).
  *
- * "litekv.decode_attention_rope" / "litekv.decode_attention_rope_f16" take a float32 / float16 step's
- * query and new rows as projected, and apply RoPE and the scale and write the rows themselves
- * (run_rope), where the graph spent 7 builtin ops a layer on that.
+ * "litekv.decode_attention_rope", "..._rope_f16" and "..._rope_int8" take a float32, float16 or
+ * statically scaled int8 step's query and new rows as projected, and apply RoPE and the scale and
+ * convert (or quantize) and write the rows themselves (run_rope), where the graph spent 7 ops a layer
+ * on that (16 for int8).
  *
  * The same registration serves "litekv.linear_int4" / "litekv.linear_int8" (linear.c: a decode
  * step's quantized projections, their rows shared by the same two threads) and "litekv.rope"
