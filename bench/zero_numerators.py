@@ -60,11 +60,11 @@ def main() -> None:
         with torch.no_grad():
             attentions = model(ids, output_attentions=True).attentions
         shares = np.array([zero_shares(layer[0, :, -1, :].numpy(), kv_heads) for layer in attentions])
-        by_layer = shares[:, 2]
-        results.append({"input": name, "tokens": int(ids.shape[1]), "numerators_zero": float(shares[:, 0].mean()),
-                        "pairs_zero_for_a_head": float(shares[:, 1].mean()),
-                        "pairs_zero_for_a_kv_head": float(shares[:, 2].mean()), "by_layer": by_layer.tolist()})
-        rows.append([name, ids.shape[1], *(f"{100 * s:.1f} %" for s in shares.mean(axis=0)),
+        means, by_layer = shares.mean(axis=0), shares[:, 2]
+        results.append({"input": name, "tokens": int(ids.shape[1]), "numerators_zero": float(means[0]),
+                        "pairs_zero_for_a_head": float(means[1]), "pairs_zero_for_a_kv_head": float(means[2]),
+                        "by_layer": by_layer.tolist()})
+        rows.append([name, ids.shape[1], *(f"{100 * m:.1f} %" for m in means),
                      f"{100 * by_layer.min():.0f}–{100 * by_layer.max():.0f} %"])
     print(markdown_table(["input", "tokens", "numerators 0", "pairs 0 for a head", "pairs 0 for a KV head's heads",
                           "the last, by layer"], rows))

@@ -20,7 +20,8 @@ kv_dtype="float16" the cache tensors are float16: new rows are cast in the graph
 f16 forms read half a float32 cache's bytes, and builtin-op attention casts the cache it reads.
 Where one-token steps attend in litekv's kernel they rotate q and k in `litekv.rope`; over a float
 cache, or an int8 one with static scales, the attention op's rope form takes q, k and v as projected
-and writes (for int8: quantizes) the rows itself, so those steps' caches are inputs only. An fp32 LM head is then `litekv.linear_f32` over its table.
+and writes (for int8: quantizes) the rows itself, so those steps' caches are inputs only. An fp32 LM
+head is then `litekv.linear_f32` over its table.
 """
 from __future__ import annotations
 
