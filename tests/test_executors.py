@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -444,3 +445,38 @@ def test_bundle_without_in_graph_sampler_samples_on_the_host(tmp_path, backend):
     reference(ARCH).prefill(prompt(6), theirs)
     assert ex.sample_tokens(10, [7], ours, sampler=sampler).tolist() == \
         reference(ARCH).sample_tokens(10, [7], theirs, sampler=sampler).tolist()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_step_logits_the_caller_keeps_are_never_overwritten(backend):
+    """Steps reuse the memory of logits the caller dropped, and only that: kept arrays and views keep their values."""
+    ex = get(backend)
+    cache = ex.create_kv_cache()
+    ex.prefill(prompt(6), cache)
+    kept, copies, view, view_copy = [], [], None, None
+    for i, token in enumerate(prompt(9, seed=3)):
+        logits = ex.step([int(token)], cache)
+        if i % 3 == 0:
+            kept.append(logits)
+            copies.append(logits.copy())
+        elif i == 4:
+            view, view_copy = logits[0, 10:20], logits[0, 10:20].copy()
+        del logits
+    for array, copy in zip(kept, copies):
+        np.testing.assert_array_equal(array, copy)
+    np.testing.assert_array_equal(view, view_copy)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_step_reuses_the_logits_memory_the_caller_dropped(backend):
+    """A fresh logits array every step was a fresh mapping (49 page faults a SmolLM2 step)."""
+    ex = get(backend)
+    cache = ex.create_kv_cache()
+    ex.prefill(prompt(6), cache)
+    first = ex.step([5], cache)
+    dropped, token = weakref.ref(first), int(np.argmax(first[0]))
+    del first
+    second = ex.step([token], cache)
+    assert dropped() is second
+    third = ex.step([int(np.argmax(second[0]))], cache)  # `second` is still held here
+    assert third is not second

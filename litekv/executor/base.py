@@ -6,6 +6,7 @@ the model. Concrete executors implement the three backend hooks at the bottom.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
@@ -57,6 +58,33 @@ class SamplerParams:
         return step_seed(self.seed + 7_919 * row, position)
 
 
+class ReusedArrays:
+    """Arrays of one kind handed out as if fresh, but made again only when the caller still holds them.
+
+    A decode step returns its logits in an array of its own (196 KB for SmolLM2). With glibc's mmap
+    threshold pinned at 128 KB (keep_large_allocations_mapped), a new array of that size is a fresh
+    mapping every step: 49 page faults, 0.18 ms of a 30 ms fp32 step. An array goes out again only
+    once nothing but this holder references it (the reference count), so one the caller kept, or a
+    view of it, is never overwritten. CPython's reference counts: the runtime's interpreter."""
+
+    KEPT = 3  # arrays held for reuse: a caller keeping the last result or two still reuses the third
+    _HOLDERS = 3  # references while only this holder has an array: its list, the loop variable, the call's
+
+    def __init__(self) -> None:
+        self._arrays: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
+        """An uninitialized array of `shape` and `dtype` that no caller references."""
+        with self._lock:
+            for array in self._arrays:
+                if array.shape == shape and array.dtype == dtype and sys.getrefcount(array) <= self._HOLDERS:
+                    return array
+            array = np.empty(shape, dtype)
+            self._arrays = [array, *self._arrays[:self.KEPT - 1]]
+            return array
+
+
 class ExecutorBase(ABC):
     """Runs a converted model; holds weights and adapters, never sequence state."""
 
@@ -80,6 +108,7 @@ class ExecutorBase(ABC):
         self._lock = threading.Lock()
         self._cancel = threading.Event()
         self._running = 0
+        self._logits = ReusedArrays()  # decode steps' outputs
         keep_large_allocations_mapped()  # freed activations go back to the system, not to a growing heap
 
     # ---- KV caches --------------------------------------------------------------------------------

@@ -312,7 +312,7 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
 
     def _decode(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None) -> np.ndarray:
         name = self._signature_name("decode", kv_cache.num_tokens + 1, adapter)
-        out = np.empty((kv_cache.batch_size, self.config.vocab_size), np.float32)
+        out = self._logits.take((kv_cache.batch_size, self.config.vocab_size), np.float32)
         with self._run_lock:
             for row in range(kv_cache.batch_size):
                 io = self._run(name, tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter)

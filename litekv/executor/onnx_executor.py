@@ -193,8 +193,10 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         self._run(tokens, chunk.start, kv_cache, row, adapter)
 
     def _decode(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None) -> np.ndarray:
-        return np.stack([self._run(tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter)[0][0, 0].copy()
-                         for row in range(kv_cache.batch_size)])
+        out = self._logits.take((kv_cache.batch_size, self.config.vocab_size), np.float32)
+        for row in range(kv_cache.batch_size):
+            out[row] = self._run(tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter)[0][0, 0]
+        return out
 
     def _sample(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None,
                 sampler: SamplerParams) -> np.ndarray:
