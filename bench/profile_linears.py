@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -104,11 +105,16 @@ def linears_model(path: Path, precision: str, with_int4_offsets: bool) -> tuple[
     return path, weight_bytes
 
 
-def time_linears(path: Path, threads: int, runs: int) -> float:
+def bound_linears(path: Path, threads: int) -> tuple[CompiledTFLiteModel, Callable[[], object]]:
+    """The linears model compiled, and a call that runs it once on a fixed input."""
     model = CompiledTFLiteModel(path, num_threads=threads)
     x, y = aligned_zeros((1, HIDDEN)), aligned_zeros((1, VOCAB))
     x[:] = 0.1
-    run = model.bind("main", {"x": HostTensorBuffer(x)}, {"logits": HostTensorBuffer(y)})
+    return model, model.bind("main", {"x": HostTensorBuffer(x)}, {"logits": HostTensorBuffer(y)})
+
+
+def time_linears(path: Path, threads: int, runs: int) -> float:
+    model, run = bound_linears(path, threads)
     seconds = median_time(run, runs, warmup=5)
     model.close()
     return seconds
