@@ -45,6 +45,13 @@ static void meet(void) {
     }
 }
 
+static float sum_lanes(__m256 v) {
+    float lanes[8], total = 0.0f;
+    _mm256_storeu_ps(lanes, v);
+    for (int j = 0; j < 8; j++) total += lanes[j];
+    return total;
+}
+
 static double read_floats(const float *p, size_t n) {
     __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
     size_t i = 0;
@@ -54,9 +61,7 @@ static double read_floats(const float *p, size_t n) {
         s2 = _mm256_add_ps(s2, _mm256_loadu_ps(p + i + 16));
         s3 = _mm256_add_ps(s3, _mm256_loadu_ps(p + i + 24));
     }
-    float lanes[8], total = 0.0f;
-    _mm256_storeu_ps(lanes, _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
-    for (int j = 0; j < 8; j++) total += lanes[j];
+    float total = sum_lanes(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
     for (; i < n; i++) total += p[i];
     return total;
 }
@@ -70,9 +75,7 @@ static float dot(const float *w, const float *v, int n) {
         a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(v + k + 16), a2);
         a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 24), _mm256_loadu_ps(v + k + 24), a3);
     }
-    float lanes[8], total = 0.0f;
-    _mm256_storeu_ps(lanes, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    for (int j = 0; j < 8; j++) total += lanes[j];
+    float total = sum_lanes(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
     for (; k < n; k++) total += w[k] * v[k];
     return total;
 }
