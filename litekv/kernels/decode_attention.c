@@ -59,7 +59,9 @@
                             6.58-6.71 ms against 6.84-7.23 (512: 6.82-6.86; 256: 7.06-7.12), alternating */
 #endif
 #ifndef SPLIT_SLOTS
-#define SPLIT_SLOTS 384 /* an int8 cache's calls over more slots than this go in two chunks at least */
+#define SPLIT_SLOTS 192 /* an int8 cache's calls over more slots than this go in two chunks at least. With the
+                           helper polling (litekv's linears), a 320-slot call of an int4 SmolLM2 step took 12-16 us
+                           in two chunks against 16-24 in one (at 384; 10 builds each, processes taking turns) */
 #endif
 #ifndef FLOAT_CHUNK_SLOTS
 #define FLOAT_CHUNK_SLOTS 192 /* a float cache's row is 4x the bytes: 384 slots were one chunk, which left the
