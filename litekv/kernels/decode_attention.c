@@ -61,7 +61,7 @@
 #ifndef SPLIT_SLOTS
 #define SPLIT_SLOTS 192 /* an int8 cache's calls over more slots than this go in two chunks at least. With the
                            helper polling (litekv's linears), a 320-slot call of an int4 SmolLM2 step took 12-16 us
-                           in two chunks against 16-24 in one (at 384; 10 builds each, processes taking turns) */
+                           in two chunks against 16-24 in one (at 384; 9 processes each, taking turns) */
 #endif
 #ifndef FLOAT_CHUNK_SLOTS
 #define FLOAT_CHUNK_SLOTS 192 /* a float cache's row is 4x the bytes: 384 slots were one chunk, which left the
