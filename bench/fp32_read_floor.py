@@ -76,15 +76,10 @@ def main() -> None:
         return statistics.median(a / b for a, b in zip(times[part], times[whole]))
 
     gb_s = {k: weight_bytes / 1e6 / ms[k] for k in ("step", "linears", *C_MODES)}
-    rows = [
-        ["the bytes as one stream (C, 2 threads)", f"{ms['stream']:.2f}", f"{gb_s['stream']:.1f}", "1.00"],
-        ["matrix by matrix, meeting after each (C)", f"{ms['ops']:.2f}", f"{gb_s['ops']:.1f}",
-         f"{share('stream', 'ops'):.2f}"],
-        ["plain AVX2 matrix-vector chain (C)", f"{ms['gemv']:.2f}", f"{gb_s['gemv']:.1f}", f"{share('stream', 'gemv'):.2f}"],
-        ["XNNPACK's linears alone", f"{ms['linears']:.2f}", f"{gb_s['linears']:.1f}",
-         f"{share('stream', 'linears'):.2f}"],
-        [f"litekv's step at {args.live} tokens", f"{ms['step']:.2f}", f"{gb_s['step']:.1f}", f"{share('stream', 'step'):.2f}"],
-    ]
+    readers = [("stream", "the bytes as one stream (C, 2 threads)"), ("ops", "matrix by matrix, meeting after each (C)"),
+               ("gemv", "plain AVX2 matrix-vector chain (C)"), ("linears", "XNNPACK's linears alone"),
+               ("step", f"litekv's step at {args.live} tokens")]
+    rows = [[label, f"{ms[k]:.2f}", f"{gb_s[k]:.1f}", f"{share('stream', k):.2f}"] for k, label in readers]
     print(f"\n{weight_bytes / 1e6:.0f} MB of fp32 weights, {args.threads} threads, medians of {args.rounds} rounds:")
     print(markdown_table(["reading the step's weights", "ms", "GB/s", "share of the stream's rate"], rows))
     print(f"\nThe step: XNNPACK's linears {ms['linears']:.2f} ms (in their model alone), attention kernel "

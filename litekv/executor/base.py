@@ -272,8 +272,8 @@ class ExternalSamplerExecutor(ExecutorBase):
 
     @abstractmethod
     def _decode(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None) -> np.ndarray:
-        """One token per row at position num_tokens -> logits [batch, vocab], in an array no caller holds
-        (`self._logits.take`)."""
+        """One token per row at position num_tokens -> logits [batch, vocab], in an array no caller holds:
+        a fresh one, or one from `self._logits.take`."""
 
 
 class InternalSamplerExecutor(ExecutorBase):
