@@ -126,6 +126,11 @@ class ConvertOptions:
     # portable path (ARM) a call took 1.22x as long, codes widened to floats 3.2x
     # (bench/PERFORMANCE.md, twenty-fourth round); so it is off by default.
     key_blocks: bool = False
+    # An fp32 LM head in litekv's op gets an int8 screen (a quarter of its bytes) beside it: a step
+    # that samples in the graph then reads the screen and the few hundred fp32 rows that can rank
+    # among the sampler's 64 candidates, exactly as the whole head would give them; logits asked for
+    # by the caller still come from every row. SmolLM2: 28 MB a step instead of 113.
+    head_screen: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -446,7 +451,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
                              prefill_attention=options.prefill_attention_kind, kv_scales=kv_scales,
                              kv_dtype=options.kv_dtype, kv_row_scales=options.kv_row_scales,
                              decode_linears=options.linears_kind, prefill_linears=options.prefill_linears_kind,
-                             key_blocks=options.key_blocks)
+                             key_blocks=options.key_blocks, screened_head=options.head_screen and options.sampler)
         writer.write(staging / "model.tflite")
         bar.stage("writing model.tflite")(1, 1, f"{writer.data_bytes / 1e6:.0f} MB of weights")
         infos = tuple(SignatureInfo(s.name, "sampler" if s.sampler else ("decode" if s.tokens == 1 and s.logits
@@ -467,7 +472,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         # running without an adapter costs exactly what a model converted without LoRA costs.
         linears = options.linears_kind
         attention = dict(decode_attention=options.attention_kind, prefill_attention=options.prefill_attention_kind,
-                         key_blocks=options.key_blocks)
+                         key_blocks=options.key_blocks, screened_head=options.head_screen and options.sampler)
         model, _ = emit_onnx(cfg, ckpt.weights, plan, None, options.max_context, kv_scales=kv_scales,
                              kv_dtype=options.kv_dtype, decode_linears=linears,
                              prefill_linears=options.prefill_linears_kind, **attention)
@@ -542,6 +547,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "kernel, finer than the prefill buckets with --decode-attention graph)")
     parser.add_argument("--lora-rank", type=int, help="add LoRA inputs of this rank on q, k, v and o")
     parser.add_argument("--no-sampler", action="store_true", help="omit the in-graph sampling entry points")
+    parser.add_argument("--no-head-screen", action="store_true",
+                        help="no int8 screen beside an fp32 LM head: in-graph sampling then reads the whole head")
     parser.add_argument("--kv-key-blocks", action="store_true",
                         help="keep an int8 cache's keys in blocks of 8 slots, which litekv's decode kernel scores "
                         "without reduction trees on x86-64 CPUs with AVX2 and no AVX-512 (a 2,048-token int4 step "
@@ -589,7 +596,7 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
         decode_buckets=_ints(args.decode_buckets, "--decode-buckets"), lm_head=args.lm_head, embedding=args.embedding,
         sampler=not args.no_sampler, kv_cache=args.kv_cache, decode_attention=args.decode_attention,
         prefill_attention=args.prefill_attention, decode_linears=args.decode_linears,
-        prefill_linears=args.prefill_linears, key_blocks=args.kv_key_blocks,
+        prefill_linears=args.prefill_linears, key_blocks=args.kv_key_blocks, head_screen=not args.no_head_screen,
     )
 
 

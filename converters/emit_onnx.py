@@ -17,12 +17,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from litekv.bundle import SAMPLER_INPUTS
+from litekv.bundle import HEAD_KEEP_INPUT, SAMPLER_INPUTS
 from litekv.models.base import architecture
 from litekv.models.config import ModelConfig
 
 from .graph_ops import GraphOps, LoraSpec, Signature, Sym, rope_tables
-from .quantize import QuantPlan, int8_per_channel
+from .quantize import QuantPlan, head_screen, int8_per_channel
 
 LORA_LAYOUT = "in_out"
 T_DIM = -1  # marker for the dynamic token axis in static shapes
@@ -40,8 +40,12 @@ class OnnxOps(GraphOps):
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPlan, sig: Signature,
                  lora: LoraSpec | None, tables, kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
                  kv_dtype: str = "float32", decode_linears: str = "graph", step_graph: bool = False,
-                 attention: str = "graph", prefill_linears: str = "graph", key_blocks: bool = False):
+                 attention: str = "graph", prefill_linears: str = "graph", key_blocks: bool = False,
+                 screened_head: bool = False):
         super().__init__(cfg, weights, plan, sig, lora, tables)
+        # an fp32 head in LinearF32 screened by int8 codes (LinearF32Screened): a step that samples
+        # reads the screen and a few hundred fp32 rows; the graph takes bundle.HEAD_KEEP_INPUT
+        self.screened_head = screened_head
         self.key_blocks = key_blocks  # litekv's Int8 attention ops keep the keys in blocks of slots
         if key_blocks and (kv_scales is None or attention != "kernel"):
             raise ValueError("keys in blocks need litekv's Int8 attention ops (kernel attention, an int8 cache)")
@@ -318,7 +322,15 @@ class OnnxOps(GraphOps):
         weight = (self._weight("embed.weight", lambda: np.asarray(self.weights["embed.weight"], np.float32)) if tied
                   else self._weight(f"{name}.rows", lambda: self.stacked(parts)))
         out_dim = sum(self.weights[p].shape[0] for p in parts)
-        return self._node("LinearF32", [x, weight], (*x.shape[:-1], out_dim), domain=KERNEL_DOMAIN, **self._threads())
+        if not self.screened_head:
+            return self._node("LinearF32", [x, weight], (*x.shape[:-1], out_dim), domain=KERNEL_DOMAIN,
+                              **self._threads())
+        screen = head_screen(self.stacked(parts))
+        tensors = [self._weight(f"{name}.screen{suffix}", lambda a=a: a)
+                   for suffix, a in zip(("", ".row_scales", ".bounds"), screen)]
+        keep = self.input(HEAD_KEEP_INPUT, (1,), "int32")
+        return self._node("LinearF32Screened", [x, weight, *tensors, keep], (*x.shape[:-1], out_dim),
+                          domain=KERNEL_DOMAIN, **self._threads())
 
     def _int8_matmul(self, x: Sym, weight: str, w: np.ndarray, shape: Sequence[int]) -> Sym:
         """x @ W with W int8 per output channel, as DynamicQuantizeMatMul: MLAS's int8 GEMM, as fast
@@ -576,19 +588,23 @@ def emit_onnx(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: QuantPl
               kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
               kv_dtype: str = "float32", decode_linears: str = "graph", step_graph: bool = False,
               decode_attention: str = "graph", prefill_attention: str = "graph",
-              prefill_linears: str = "graph", key_blocks: bool = False) -> onnx.ModelProto:
+              prefill_linears: str = "graph", key_blocks: bool = False,
+              screened_head: bool = False) -> onnx.ModelProto:
     """Trace the architecture once into an ONNX model with a dynamic token axis; with
     `kv_scales` (see kv_calibration) the KV cache is int8, else of `kv_dtype` (float32 or float16).
     decode_linears="kernel": one-row quantized projections run in litekv's ops, and with
     `step_graph` (the graph for decode steps) every int4 projection does. decode_attention /
     prefill_attention="kernel": the step graph / the other attends in litekv's ops.
     prefill_linears="kernel": a chunk's int4 projections run in litekv's LinearInt4 as well.
-    key_blocks: litekv's Int8 attention ops keep the keys in blocks of slots (kv_layout BHSD_KB8)."""
+    key_blocks: litekv's Int8 attention ops keep the keys in blocks of slots (kv_layout BHSD_KB8).
+    screened_head: an fp32 head in LinearF32 gets an int8 screen (LinearF32Screened) and the graph
+    the HEAD_KEEP_INPUT input."""
     weights = dict(weights)
     weights.setdefault("lm_head.weight", weights["embed.weight"])
     sig = Signature("decode" if step_graph else "model", T_DIM, max_context, lora=lora is not None)
     ops = OnnxOps(cfg, weights, plan, sig, lora, rope_tables(cfg, max_context), kv_scales, kv_dtype, decode_linears,
-                  step_graph, decode_attention if step_graph else prefill_attention, prefill_linears, key_blocks)
+                  step_graph, decode_attention if step_graph else prefill_attention, prefill_linears, key_blocks,
+                  screened_head)
     ops.begin(max_context)
     model = ops.finish(architecture(cfg.architecture).forward(ops, cfg))
     if progress:

@@ -30,15 +30,15 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from litekv.bundle import SAMPLER_INPUTS
+from litekv.bundle import HEAD_KEEP_INPUT, SAMPLER_INPUTS
 from litekv.errors import ConfigError
 from litekv.models.base import architecture
 from litekv.models.config import ModelConfig, RopeConfig
-from litekv.native_attention import ROPE_OP_NAME, linear_op_name, rope_op_name
+from litekv.native_attention import ROPE_OP_NAME, SCREENED_HEAD_OP_NAME, linear_op_name, rope_op_name
 from litekv.native_attention import op_name as attention_op_name
 
 from .graph_ops import GraphOps, LoraSpec, Signature, Sym, rope_tables
-from .quantize import QuantPlan, int8_per_channel
+from .quantize import QuantPlan, head_screen, int8_per_channel
 from .tflite_writer import Constant, PerChannelQuant, SubgraphBuilder, TFLiteModelWriter
 
 LORA_LAYOUT = "out_in"
@@ -87,6 +87,17 @@ class TFLiteWeights:
             self._consts[name] = self.writer.add_constant(np.asarray(w, np.float32), name, "float32")
         return self._consts[name]
 
+    def head_screen(self, name: str, w: np.ndarray) -> tuple[Constant, Constant, Constant]:
+        """An fp32 head's int8 screen (quantize.head_screen): codes, row scales and bounds, shared by
+        every entry point."""
+        key = f"{name}.screen"
+        if key not in self._consts:
+            codes, scales, bounds = head_screen(w)
+            self._consts[key] = self.writer.add_constant(codes, key, "int8")
+            self._consts[f"{key}.row_scales"] = self.writer.add_constant(scales, f"{key}.row_scales", "float32")
+            self._consts[f"{key}.bounds"] = self.writer.add_constant(bounds, f"{key}.bounds", "float32")
+        return self._consts[key], self._consts[f"{key}.row_scales"], self._consts[f"{key}.bounds"]
+
     def table(self, name: str) -> Constant:
         if name not in self._consts:
             dtype = "float16" if self.plan.embedding == "fp16" else "float32"
@@ -123,7 +134,7 @@ class TFLiteOps(GraphOps):
                  lora: LoraSpec | None, tables, decode_attention: str = "kernel",
                  kv_scales: tuple[np.ndarray, np.ndarray] | None = None, prefill_attention: str = "kernel",
                  kv_dtype: str = "float32", kv_row_scales: bool = False, decode_linears: str = "graph",
-                 prefill_linears: str = "graph", key_blocks: bool = False):
+                 prefill_linears: str = "graph", key_blocks: bool = False, screened_head: bool = False):
         super().__init__(cfg, store.weights, store.plan, sig, lora, tables, store.quant_cache)
         # int4 / int8 projections of one row in litekv's linear kernels: a decode step's, and prefill's
         # LM head (its last row), so no FULLY_CONNECTED keeps the head for XNNPACK to pack a copy of
@@ -138,6 +149,9 @@ class TFLiteOps(GraphOps):
         # step at 300 tokens 2.3 % longer (bench/PERFORMANCE.md, twenty-sixth round).
         self.kernel_rope = sig.tokens == 1 and (self.kernel_linears or decode_attention == "kernel")
         self.float_head = float_head_in_kernel(store.plan.lm_head, decode_attention)
+        # that head screened by int8 codes (litekv.linear_f32_screened): a step that samples in the
+        # graph reads the screen and a few hundred fp32 rows, not the whole table
+        self.screened_head = screened_head and self.float_head
         self.store = store
         self.decode_attention = decode_attention  # "kernel": litekv's custom op; "graph": builtin ops
         self.prefill_attention = prefill_attention  # the same, for chunks of more than one token
@@ -276,7 +290,13 @@ class TFLiteOps(GraphOps):
         weight = self.store.matmul(name, parts, self)  # the constant prefill's FULLY_CONNECTED reads
         if float_head:  # W itself (a tied head: the embedding table the GATHER reads), never packed by XNNPACK
             y = self._new((*x.shape[:-1], weight.shape[0]))
-            self.sg.custom_op(linear_op_name("f32"), [x.ref, self.sg.use(weight)], [y.ref])
+            if self.screened_head:
+                screen = self.store.head_screen(name, self.stacked(parts))
+                keep = self.input(HEAD_KEEP_INPUT, (1,), "int32")
+                self.sg.custom_op(SCREENED_HEAD_OP_NAME, [x.ref, self.sg.use(weight), *map(self.sg.use, screen),
+                                                          keep.ref], [y.ref])
+            else:
+                self.sg.custom_op(linear_op_name("f32"), [x.ref, self.sg.use(weight)], [y.ref])
             return y
         out_dim, in_dim = weight.shape
 
@@ -550,7 +570,8 @@ def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: Quant
                 kv_scales: tuple[np.ndarray, np.ndarray] | None = None,
                 prefill_attention: str = "kernel", kv_dtype: str = "float32",
                 kv_row_scales: bool = False, decode_linears: str = "graph",
-                prefill_linears: str = "graph", key_blocks: bool = False) -> TFLiteModelWriter:
+                prefill_linears: str = "graph", key_blocks: bool = False,
+                screened_head: bool = False) -> TFLiteModelWriter:
     """Trace every signature of the architecture into one TFLite model (not yet written).
 
     decode_attention: "kernel" runs one-token attention in litekv's custom op, "graph" in builtin ops;
@@ -562,7 +583,9 @@ def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: Quant
     decode_linears: "kernel" runs one-token steps' int4 and int8 projections in litekv's custom ops;
     prefill_linears: "kernel" runs prefill chunks' int4 projections there too.
     key_blocks: an int8 cache's keys in blocks of slots (kv_layout BSHD_KB8), written and read by
-    litekv's attention ops."""
+    litekv's attention ops.
+    screened_head: an fp32 head in litekv's op (float_head_in_kernel) gets an int8 screen, and its
+    entry points the HEAD_KEEP_INPUT input."""
     weights = dict(weights)
     weights.setdefault("lm_head.weight", weights["embed.weight"])
     writer = TFLiteModelWriter(description=f"litekv {cfg.architecture}")
@@ -572,7 +595,8 @@ def emit_tflite(cfg: ModelConfig, weights: Mapping[str, np.ndarray], plan: Quant
     groups = {}
     for sig in signatures:
         ops = TFLiteOps(cfg, store, writer.add_signature(sig.name), sig, lora, tables, decode_attention, kv_scales,
-                        prefill_attention, kv_dtype, kv_row_scales, decode_linears, prefill_linears, key_blocks)
+                        prefill_attention, kv_dtype, kv_row_scales, decode_linears, prefill_linears, key_blocks,
+                        screened_head)
         if sig.sampler:
             ops.sampler()
         else:

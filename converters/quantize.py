@@ -58,6 +58,24 @@ def int8_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, scales
 
 
+def head_screen(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An fp32 LM head's int8 screen for litekv's screened head op (kernels/screened_head.c).
+
+    Returns (codes int8 [out, in], row scales float32 [out], bounds float32 [out]) such that for any
+    x, |(W x)[r] - s[r] (codes[r] . x)| <= bounds[r] * |x|_2 as both sides come out of float32
+    arithmetic: the codes' rounding by Cauchy-Schwarz, |W[r] - s[r] codes[r]|_2, plus each float sum's
+    rounding, at most in * 2^-24 * |row|_2 * |x|_2 for either side, doubled for margin.
+    """
+    w = np.asarray(w, np.float32)
+    codes, scales = int8_per_channel(w)
+    wide = w.astype(np.float64)
+    screen = codes.astype(np.float64) * scales.astype(np.float64)[:, None]
+    error = np.linalg.norm(wide - screen, axis=1)
+    rounding = 2 * w.shape[1] * 2.0 ** -24 * (np.linalg.norm(wide, axis=1) + np.linalg.norm(screen, axis=1))
+    bounds = np.nextafter((error + rounding).astype(np.float32), np.float32(np.inf))  # rounded up
+    return codes, scales, bounds
+
+
 def int4_blockwise_asymmetric(w: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Min/max int4 per block: W ~= q * scale + offset with q in [-8, 7].
 

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from litekv.sampling import CANDIDATES  # the sampler draws from the 64 most likely tokens
+
 from .graph_ops import GraphOps, Sym
 
-CANDIDATES = 64  # the sampler draws from the 64 most likely tokens
 PM_MODULUS, PM_MULTIPLIER, PM_Q, PM_R = 2147483647, 16807, 127773, 2836
 MIX_ROUNDS = 3
 

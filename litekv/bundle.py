@@ -41,12 +41,18 @@ FORMAT = "litekv-bundle"
 # LM head may run in litekv's linear op over the model file's table (`lm_head_kernel`).
 # 17: the rope form over an int8 cache with static scales (litekv.decode_attention_rope_int8), which
 # quantizes and writes the step's rows and scales the output itself.
-VERSION = 17
-READABLE_VERSIONS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)
+# 18: an fp32 LM head in litekv's op may carry an int8 screen (litekv.linear_f32_screened, ONNX
+# LinearF32Screened); the graphs that compute it take HEAD_KEEP_INPUT.
+VERSION = 18
+READABLE_VERSIONS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18)
 ATTENTION_KINDS = ("kernel", "graph")
 SAMPLER_SIGNATURE = "sampler"
 # The sampler graph's scalar inputs, each of shape [1], in order: (name, dtype).
 SAMPLER_INPUTS = (("temperature", "float32"), ("top_k", "int32"), ("top_p", "float32"), ("seed", "int32"))
+# int32 [1] input of a graph whose fp32 head is screened: 0 computes every logit; k > 0 only the rows
+# that can rank among the k largest exactly, the rest the lowest float (the in-graph sampler passes
+# its candidates' count, litekv.sampling.CANDIDATES).
+HEAD_KEEP_INPUT = "head_keep"
 BACKENDS = ("litert", "onnx")
 # --kv-cache format -> the cache tensors' dtype (Manifest.kv_dtype). "int8-row": int8 codes with a
 # float32 scale per token and KV head beside them (Manifest.kv_row_scales), LiteRT with litekv's kernels.

@@ -53,6 +53,9 @@ _FORMS = {OP_NAME: (0, False), OP_NAME_INT8: (1, False), OP_NAME_F16: (2, False)
 # thread, so a decode step's parallel work never waits for XNNPACK's worker: op name -> LinearFormat
 LINEAR_OP_NAMES = {"litekv.linear_int4": 0, "litekv.linear_int8": 1,  # linear.h's LINEAR_INT4, LINEAR_INT8,
                    "litekv.linear_f32": 3}  # LINEAR_F32: an fp32 LM head's one row
+# An fp32 head whose rows an int8 screen picks (kernels/screened_head.c): x, W, the screen's codes, row
+# scales and bounds, and bundle.HEAD_KEEP_INPUT
+SCREENED_HEAD_OP_NAME = "litekv.linear_f32_screened"
 # A decode step's rotary embedding beside them: in XNNPACK its matmul would wake XNNPACK's worker.
 ROPE_OP_NAME = "litekv.rope"
 # A one-token step's attention with its RoPE, query scale and row writes (kernels/decode_attention.c), over
@@ -143,15 +146,24 @@ def _load() -> ctypes.CDLL:
                         lib.litekv_linear_run.argtypes = [ctypes.POINTER(AttentionConfig), ctypes.c_int,
                                                           *[ctypes.c_void_p] * 6, *[ctypes.c_int] * 4,
                                                           ctypes.c_void_p]  # no lent threads from Python
+                        lib.litekv_screened_head_kernel.argtypes = [ctypes.POINTER(CustomOpKernel)]
+                        lib.litekv_screened_head_kernel.restype = ctypes.c_int
+                        lib.litekv_screened_head_run.restype = ctypes.c_int
+                        lib.litekv_screened_head_run.argtypes = [ctypes.POINTER(AttentionConfig),
+                                                                 *[ctypes.c_void_p] * 6, *[ctypes.c_int] * 3,
+                                                                 ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+                        lib.litekv_screened_head_stats.argtypes = [ctypes.POINTER(AttentionConfig),
+                                                                   ctypes.POINTER(ctypes.c_uint64 * 2)]
+                        lib.litekv_screened_head_stats.restype = None
                         lib.litekv_ort_prepare.argtypes = [ctypes.POINTER(AttentionConfig)]
                         lib.litekv_ort_prepare.restype = None
                         lib.litekv_ort_take.argtypes = []
                         lib.litekv_ort_take.restype = ctypes.c_void_p
                         lib.litekv_ort_release.argtypes = [ctypes.c_void_p]
                         lib.litekv_ort_release.restype = None
-                    except AttributeError:  # a library built before the prefill kernel, the linears or ort_ops.c
-                        _load_error = (f"{spec.origin} is out of date (no prefill kernel, linears or ONNX Runtime "
-                                       "ops); reinstall litekv")
+                    except AttributeError:  # a library built before the prefill kernel, linears, ort_ops.c or
+                        _load_error = (f"{spec.origin} is out of date (no prefill kernel, linears, ONNX Runtime "  # screens
+                                       "ops or screened head); reinstall litekv")
                     else:
                         _library, _library_path = lib, spec.origin
     if _library is None:
@@ -292,10 +304,13 @@ class AttentionKernel:
         self._onnx_registrations: list[int] = []  # litekv_ort_take()'s, freed by release()
         # One config (scratch, helper thread) serves every op: a model uses the pair for its cache type.
         self.kernels = {name: CustomOpKernel()
-                        for name in (*_FORMS, *LINEAR_OP_NAMES, ROPE_OP_NAME, *ROPE_ATTENTION_OP_NAMES)}
+                        for name in (*_FORMS, *LINEAR_OP_NAMES, ROPE_OP_NAME, *ROPE_ATTENTION_OP_NAMES,
+                                     SCREENED_HEAD_OP_NAME)}
         for name, kernel in self.kernels.items():
             if name == ROPE_OP_NAME:
                 status = lib.litekv_rope_kernel(ctypes.byref(kernel))
+            elif name == SCREENED_HEAD_OP_NAME:
+                status = lib.litekv_screened_head_kernel(ctypes.byref(kernel))
             elif name in ROPE_ATTENTION_OP_NAMES:
                 status = lib.litekv_attention_rope_kernel(ctypes.byref(kernel), ROPE_ATTENTION_OP_NAMES[name])
             elif name in LINEAR_OP_NAMES:
@@ -393,6 +408,31 @@ class AttentionKernel:
         if status != 0:
             raise ValueError(f"linear rejected the shapes (status {status})")
         return y
+
+    def run_screened_head(self, x: np.ndarray, weight: np.ndarray, codes: np.ndarray, row_scales: np.ndarray,
+                          bounds: np.ndarray, keep: int) -> tuple[np.ndarray, int]:
+        """The screened head on host arrays: x [in], W [out, in] float32, the screen from
+        converters.quantize.head_screen, keep (0: the whole head) -> (y [out], rows computed exactly).
+        Rows that cannot rank among the `keep` largest come back as the lowest float32."""
+        x, weight, row_scales, bounds = (np.ascontiguousarray(a, np.float32) for a in (x, weight, row_scales, bounds))
+        codes = np.ascontiguousarray(codes, np.int8)
+        out, width = weight.shape
+        if x.shape != (width,) or codes.shape != weight.shape or row_scales.shape != (out,) or bounds.shape != (out,):
+            raise ValueError(f"screened head rejected the shapes: x {x.shape}, W {weight.shape}, codes {codes.shape}, "
+                             f"row scales {row_scales.shape}, bounds {bounds.shape}")
+        y, computed = np.empty(out, np.float32), ctypes.c_int(0)
+        status = self._lib.litekv_screened_head_run(ctypes.byref(self.config),
+                                                    *(_pointer(a) for a in (x, y, weight, codes, row_scales, bounds)),
+                                                    int(keep), width, out, None, ctypes.byref(computed))
+        if status != 0:
+            raise ValueError(f"screened head rejected its inputs (status {status})")
+        return y, computed.value
+
+    def screened_head_counts(self) -> tuple[int, int]:
+        """(screened calls, rows they computed exactly) since this registration was made."""
+        counters = (ctypes.c_uint64 * 2)()
+        self._lib.litekv_screened_head_stats(ctypes.byref(self.config), ctypes.byref(counters))
+        return int(counters[0]), int(counters[1])
 
     def onnx_session(self, model, options, providers=None):
         """An onnxruntime.InferenceSession of `model` (a path or the model's bytes) whose graph may

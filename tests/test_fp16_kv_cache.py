@@ -50,7 +50,8 @@ def test_litert_steps_read_halves_in_the_kernel():
     graph-attention bundle casts the cache with builtin ops instead."""
     expected = [("litert-graph", set())]
     if kernel_available():  # steps in the rope form: RoPE and the row writes in the op
-        expected.append(("litert", {"litekv.decode_attention_rope_f16", "litekv.prefill_attention_f16", "litekv.linear_f32"}))
+        expected.append(("litert", {"litekv.decode_attention_rope_f16", "litekv.prefill_attention_f16",
+                                    "litekv.linear_f32_screened"}))
     for backend, ops in expected:
         customs, kv_types = tflite_custom_ops_and_cache_types(fp16_kv_bundle("llama", backend) / "model.tflite")
         assert customs == ops

@@ -77,7 +77,7 @@ def test_litert_steps_read_int8_codes_in_the_kernel():
     rope form, which also rotates, quantizes and writes the step's rows); the graph-attention bundle
     dequantizes with builtin ops instead."""
     for backend, ops in (("litert", {"litekv.decode_attention_rope_int8", "litekv.prefill_attention_int8",
-                                     "litekv.linear_f32"}),
+                                     "litekv.linear_f32_screened"}),
                          ("litert-graph", set())):
         customs, kv_types = tflite_custom_ops_and_cache_types(int8_kv_bundle("llama", backend) / "model.tflite")
         assert customs == ops

@@ -64,7 +64,7 @@ def test_the_entry_points_call_the_int8_rows_forms_on_int8_codes_and_float_scale
     bundle = row_bundle("llama")
     customs, kv_types = tflite_custom_ops_and_cache_types(bundle / "model.tflite")
     assert customs == {"litekv.decode_attention_int8_rows", "litekv.prefill_attention_int8_rows", "litekv.rope",
-                       "litekv.linear_f32"}
+                       "litekv.linear_f32_screened"}
     assert kv_types and all(t == schema.TensorType.INT8 for t in kv_types)
     manifest = read_manifest(bundle)
     assert manifest.kv_row_scales and manifest.kv_dtype == "int8"

@@ -357,7 +357,7 @@ def test_int8_bundles_with_key_blocks_follow_the_reference(backend, layout):
     if backend == "litert":
         customs, _ = tflite_custom_ops_and_cache_types(bundle / "model.tflite")
         assert customs == {"litekv.decode_attention_int8_blocks", "litekv.prefill_attention_int8_blocks", "litekv.rope",
-                           "litekv.linear_f32"}
+                           "litekv.linear_f32_screened"}
     ex = open_executor(bundle)
     cache = ex.create_kv_cache()
     assert cache.key_blocks and cache.layout == layout

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conformance import _ROOT, PREFILL_LENGTHS, checkpoint_dir, relative_error
 from litekv import native_attention
-from litekv.bundle import BundleError, Manifest, read_manifest
+from litekv.bundle import HEAD_KEEP_INPUT, BundleError, Manifest, read_manifest
 from litekv.converters.convert import ConvertOptions, convert
 from litekv.converters.emit_onnx import GATES, KERNEL_DOMAIN
 from litekv.converters.quantize import int8_per_channel
@@ -524,10 +524,11 @@ def test_prefill_chunks_run_their_int4_projections_in_linear_int4(arch):
 
 @pytest.mark.parametrize("arch, tied", [("llama", False), ("llama3", True), ("gemma3", True)])
 def test_an_fp32_bundle_runs_its_head_and_gates_in_litekv_ops(arch, tied):
-    """An fp32 ONNX bundle attends in litekv's ops, so its LM head (one row) is LinearF32 over W
-    [vocab, hidden] itself, and over the embedding table the Gather reads when they are tied (no
-    transposed copy in the file); each gated MLP's activation is one Gate node over the gate/up
-    projection. The conformance suite checks the logits of these bundles against the reference."""
+    """An fp32 ONNX bundle attends in litekv's ops, so its LM head (one row) is LinearF32Screened
+    over W [vocab, hidden] itself, and over the embedding table the Gather reads when they are tied
+    (no transposed copy in the file), with its int8 screen beside it; each gated MLP's activation is
+    one Gate node over the gate/up projection. The conformance suite checks the logits of these
+    bundles against the reference."""
     from conformance import bundle as conformance_bundle
 
     path = conformance_bundle(arch, "onnx")
@@ -535,13 +536,17 @@ def test_an_fp32_bundle_runs_its_head_and_gates_in_litekv_ops(arch, tied):
     model = onnx.load(path / manifest.model_file, load_external_data=False)
     nodes = {n.op_type: n for n in model.graph.node}
     counts = op_types(path / manifest.model_file)
-    assert counts["LinearF32"] == 1 and counts["Gate"] == manifest.config.num_layers
-    assert not {"Sigmoid", "QuickGelu", "Tanh", "Split"} & set(counts)
-    assert nodes["LinearF32"].input[1] == (nodes["Gather"].input[0] if tied else "lm_head.rows")
+    assert counts["LinearF32Screened"] == 1 and counts["Gate"] == manifest.config.num_layers
+    assert "LinearF32" not in counts and not {"Sigmoid", "QuickGelu", "Tanh", "Split"} & set(counts)
+    head = nodes["LinearF32Screened"]
+    assert head.input[1] == (nodes["Gather"].input[0] if tied else "lm_head.rows")
+    assert head.input[5] == HEAD_KEEP_INPUT and HEAD_KEEP_INPUT in {i.name for i in model.graph.input}
     vocab, hidden = manifest.config.vocab_size, manifest.config.hidden_size
+    initializers = {t.name: t for t in model.graph.initializer}
+    assert initializers[head.input[2]].data_type == onnx.TensorProto.INT8  # the screen's codes
     shapes = [list(t.dims) for t in model.graph.initializer]
     assert [vocab, hidden] in shapes and [hidden, vocab] not in shapes
-    assert shapes.count([vocab, hidden]) == (1 if tied else 2)
+    assert shapes.count([vocab, hidden]) == (2 if tied else 3)  # W (or the table), the screen's codes
     assert all(a.i == 1 for n in model.graph.node for a in n.attribute if a.name == "on_pool")
 
 

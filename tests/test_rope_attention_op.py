@@ -197,9 +197,9 @@ def test_a_slot_outside_the_cache_is_refused_before_any_write(rope_model, slot):
 
 
 def test_an_fp32_head_reads_the_table_in_litekvs_linear_and_keeps_its_pages():
-    """An fp32 LiteRT bundle that attends in litekv's kernel runs its LM head's row in litekv.linear_f32
-    over the embedding table the GATHER reads (no FULLY_CONNECTED over it, so XNNPACK packs no copy),
-    in steps and in prefill chunks; the manifest says so, and the executor gives the model file's pages
+    """An fp32 LiteRT bundle that attends in litekv's kernel runs its LM head's row in litekv's op
+    (litekv.linear_f32_screened, with its int8 screen) over the embedding table the GATHER reads (no
+    FULLY_CONNECTED over it, so XNNPACK packs no copy), in steps and in prefill chunks; the manifest says so, and the executor gives the model file's pages
     back once after loading, not after every prefill; the logits stay the reference's."""
     from ai_edge_litert import schema_py_generated as schema
 
@@ -217,7 +217,7 @@ def test_an_fp32_head_reads_the_table_in_litekvs_linear_and_keeps_its_pages():
         if sig.signatureKey == b"sampler":
             continue
         graph = model.subgraphs[sig.subgraphIndex]
-        heads = [op for op in graph.operators if codes[op.opcodeIndex].customCode == b"litekv.linear_f32"]
+        heads = [op for op in graph.operators if codes[op.opcodeIndex].customCode == b"litekv.linear_f32_screened"]
         gathers = [op for op in graph.operators if codes[op.opcodeIndex].builtinCode == schema.BuiltinOperator.GATHER
                    and graph.tensors[op.inputs[0]].shape.tolist() == [manifest.config.vocab_size,
                                                                        manifest.config.hidden_size]]

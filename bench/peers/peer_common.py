@@ -85,10 +85,12 @@ def add_serve_flag(parser) -> None:
                         help="pair mode (bench/pairs.py): load once, then answer measures named on stdin")
 
 
-def serve_timings(decode_seconds: Callable[[], float], prefill_seconds: Callable[[int], float]) -> None:
+def serve_timings(decode_seconds: Callable[[], float], prefill_seconds: Callable[[int], float],
+                  more: dict[str, Callable[[], float]] | None = None) -> None:
     """serve() with the measures every runner offers: "decode", DECODE_TOKENS new tokens after a
     DECODE_PROMPT-token prompt (decode_seconds() times them), and "prefill_N" for each of
-    PREFILL_LENGTHS (prefill_seconds(N) times one prefill of the runner's fixed N-token prompt)."""
+    PREFILL_LENGTHS (prefill_seconds(N) times one prefill of the runner's fixed N-token prompt);
+    `more`: a runner's own measures, each returning tokens/s."""
     decode_seconds()  # warm-up
     serve({"decode": lambda: DECODE_TOKENS / decode_seconds(),
-           **{f"prefill_{n}": (lambda n=n: n / prefill_seconds(n)) for n in PREFILL_LENGTHS}})
+           **{f"prefill_{n}": (lambda n=n: n / prefill_seconds(n)) for n in PREFILL_LENGTHS}, **(more or {})})

@@ -6,8 +6,12 @@ The bundle (max context 4096, prefill signatures 32/128/256/512) is converted on
 cache by bench/common.py, named with a hash of the converter sources so code changes reconvert. `load_s` is `Engine(bundle)`: manifest, tokenizer and the compiled
 model, what an application pays at start-up. Timings use the engine's executor on the same fixed
 token ids as the peers: a prefill is `executor.prefill(ids, fresh cache)`; time to first token
-prefills all but the last prompt token and runs one decode step on it (what a session does), then
-takes the argmax; decode is 128 `step` calls with a host argmax, like the peers' loops.
+prefills all but the last prompt token and runs one decode step on it, then takes the argmax.
+Decode (`decode_tok_s`) is what a session's generation runs: `sample_tokens`, 128 greedy steps
+sampled inside the model (the Engine samples there unless a repetition penalty asks for logits).
+`decode_step_tok_s` is 128 `step` calls, each returning every logit, with a host argmax, like the
+llama.cpp runner's loop; the two differ where the bundle's fp32 head is screened (converters'
+`head_screen`): only the sampler's path reads the screen instead of the whole head.
 `passage_argmax` steps through the passage one token at a time (teacher forcing).
 """
 from __future__ import annotations
@@ -76,7 +80,7 @@ def main() -> None:
 
     decode_tokens = fixed_tokens(DECODE_PROMPT)
 
-    def decode_once() -> float:
+    def steps_once() -> float:
         cache = prefill(decode_tokens[:-1])
         token = decode_tokens[-1]
         start = time.perf_counter()
@@ -84,9 +88,17 @@ def main() -> None:
             token = int(np.argmax(ex.step([token], cache)[0]))
         return time.perf_counter() - start
 
+    def decode_once() -> float:
+        cache = prefill(decode_tokens[:-1])
+        start = time.perf_counter()
+        ex.sample_tokens(DECODE_TOKENS, decode_tokens[-1:], cache)
+        return time.perf_counter() - start
+
     if args.serve:
         prompts = {n: fixed_tokens(n) for n in PREFILL_LENGTHS}
-        serve_timings(decode_once, lambda n: timed(lambda: prefill(prompts[n])))
+        steps_once()  # warm-up
+        serve_timings(decode_once, lambda n: timed(lambda: prefill(prompts[n])),
+                      {"decode_step": lambda: DECODE_TOKENS / steps_once()})
         return
 
     result = {"peer": "litekv", "version": litekv.__version__, "backend": args.backend, "quantize": args.quantize,
@@ -104,17 +116,11 @@ def main() -> None:
         return int(np.argmax(ex.step(ttft_tokens[-1:], cache)[0]))
     result["ttft_ms"] = 1e3 * median_of(first_token, args.repeats)
 
-    def sample_tokens_once() -> float:
-        cache = prefill(decode_tokens[:-1])
-        start = time.perf_counter()
-        ex.sample_tokens(DECODE_TOKENS, decode_tokens[-1:], cache)
-        return time.perf_counter() - start
-
-    decode_once()  # warm-up
+    decode_once(), steps_once()  # warm-up
     times = sorted(decode_once() for _ in range(args.repeats))
     result["decode_tok_s"] = DECODE_TOKENS / times[len(times) // 2]
-    times = sorted(sample_tokens_once() for _ in range(args.repeats))
-    result["internal_sampler_tok_s"] = DECODE_TOKENS / times[len(times) // 2]
+    times = sorted(steps_once() for _ in range(args.repeats))
+    result["decode_step_tok_s"] = DECODE_TOKENS / times[len(times) // 2]
     kv_bytes = ex.create_kv_cache().stats().memory_bytes
     if args.passage:
         result["passage_argmax"] = passage_argmax(ex, json.loads(args.passage.read_text())["token_ids"])

@@ -16,12 +16,13 @@ from pathlib import Path
 import numpy as np
 
 from litekv import litert_capi, native_attention
-from litekv.bundle import SAMPLER_INPUTS, SAMPLER_SIGNATURE, BundleError, Manifest
+from litekv.bundle import HEAD_KEEP_INPUT, SAMPLER_INPUTS, SAMPLER_SIGNATURE, BundleError, Manifest
 from litekv.catalog import cache_dir
 from litekv.errors import AcceleratorUnavailable, MissingDependency
 from litekv.kv_cache import KVCache, aligned_zeros
 from litekv.litert_capi import CompiledTFLiteModel, HostTensorBuffer
 from litekv.resident_pages import FileMappings, ModelFilePages
+from litekv.sampling import CANDIDATES
 
 from .base import ExternalSamplerExecutor, InternalSamplerExecutor, SamplerParams
 from .lora import LoraAdapter, lora_inputs
@@ -34,19 +35,25 @@ MASKED = np.finfo(np.float32).min
 class _SignatureIO:
     """Host buffers of one signature's small inputs and outputs (shared by every cache)."""
 
-    def __init__(self, name: str, kind: str, tokens: int, capacity: int, vocab: int, sliding: bool):
+    def __init__(self, name: str, kind: str, tokens: int, capacity: int, vocab: int, sliding: bool,
+                 screened_head: bool = False):
         self.name, self.tokens, self.capacity = name, tokens, capacity
         self.arrays = {"tokens": aligned_zeros((1, tokens), np.int32), "input_pos": aligned_zeros((tokens,), np.int32),
                        "mask": aligned_zeros((1, 1, tokens, capacity))}
         if sliding:
             self.arrays["local_mask"] = aligned_zeros((1, 1, tokens, capacity))
+        if screened_head:  # 0: every logit; CANDIDATES: the rows the in-graph sampler can draw (bundle.py)
+            self.arrays[HEAD_KEEP_INPUT] = aligned_zeros((1,), np.int32)
         self.outputs = {} if kind == "prefill" else {"logits": aligned_zeros((1, 1, vocab))}
         self.buffers = {k: HostTensorBuffer(v) for k, v in {**self.arrays, **self.outputs}.items()}
 
-    def fill(self, tokens: np.ndarray, start: int, window: int | None) -> None:
-        """Tokens at positions start.. (padding repeats the last real row's view of the cache)."""
+    def fill(self, tokens: np.ndarray, start: int, window: int | None, head_keep: int = 0) -> None:
+        """Tokens at positions start.. (padding repeats the last real row's view of the cache);
+        head_keep: the logits wanted exactly, where the head is screened (0: all)."""
         real = len(tokens)
         a = self.arrays
+        if HEAD_KEEP_INPUT in a:
+            a[HEAD_KEEP_INPUT][0] = head_keep
         a["tokens"][0, :real] = tokens
         a["tokens"][0, real:] = 0
         a["input_pos"][:] = np.arange(start, start + self.tokens, dtype=np.int32)
@@ -204,7 +211,7 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
                 self._sampler = _SamplerIO(self.model)
             else:
                 self._io[sig.name] = _SignatureIO(sig.name, sig.kind, sig.tokens, sig.capacity, cfg.vocab_size,
-                                                  self._sliding)
+                                                  self._sliding, HEAD_KEEP_INPUT in sig.inputs)
         self._run_lock = threading.Lock()  # the signature IO buffers are shared by all caches
         self._pool = _KVMemoryPool()
 
@@ -296,9 +303,9 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         return io, kv_cache.bindings[key]
 
     def _run(self, name: str, tokens: np.ndarray, start: int, kv_cache: KVCache, row: int,
-             adapter: LoraAdapter | None) -> _SignatureIO:
+             adapter: LoraAdapter | None, head_keep: int = 0) -> _SignatureIO:
         io, run = self._bound_run(name, kv_cache, row, adapter)
-        io.fill(tokens, start, self.config.sliding_window)
+        io.fill(tokens, start, self.config.sliding_window, head_keep)
         run()
         return io
 
@@ -307,8 +314,8 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
                            adapter: LoraAdapter | None) -> None:
         kind = "prefill" if chunk.length > 1 else "decode"
         name = self._signature_name(kind, chunk.start + chunk.length, adapter, chunk.length)
-        with self._run_lock:
-            self._run(name, tokens, chunk.start, kv_cache, row, adapter)
+        with self._run_lock:  # a chunk's logits go unread
+            self._run(name, tokens, chunk.start, kv_cache, row, adapter, head_keep=CANDIDATES)
 
     def _decode(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None) -> np.ndarray:
         name = self._signature_name("decode", kv_cache.num_tokens + 1, adapter)
@@ -327,7 +334,8 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         out = np.empty(kv_cache.batch_size, np.int32)
         with self._run_lock:
             for row in range(kv_cache.batch_size):
-                io = self._run(name, tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter)
+                io = self._run(name, tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter,
+                               head_keep=CANDIDATES)  # the sampler draws from these
                 out[row] = self._sampler.run(io, sampler.graph_inputs(sampler.seed_for(kv_cache.num_tokens, row)))
         return out
 

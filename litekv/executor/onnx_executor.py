@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 
 from litekv import native_attention
-from litekv.bundle import SAMPLER_INPUTS, BundleError, Manifest
+from litekv.bundle import HEAD_KEEP_INPUT, SAMPLER_INPUTS, BundleError, Manifest
 from litekv.errors import AcceleratorUnavailable, BackendError, Cancelled, MissingDependency
 from litekv.kv_cache import KVCache, aligned_zeros
 from litekv.resident_pages import FileMappings, ModelFilePages, mapped_ranges
+from litekv.sampling import CANDIDATES
 
 from .base import ExternalSamplerExecutor, InternalSamplerExecutor, SamplerParams
 from .lora import LoraAdapter, lora_inputs
@@ -163,14 +164,15 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
                 raise BackendError(f"onnxruntime could not load {path}: {e}") from e
         return lora_inputs(adapter, self.config, self.manifest.lora_groups, self.lora_rank, self.manifest.lora_layout)
 
-    def _run(self, tokens: np.ndarray, start: int, kv_cache: KVCache, row: int, adapter: LoraAdapter | None):
+    def _run(self, tokens: np.ndarray, start: int, kv_cache: KVCache, row: int, adapter: LoraAdapter | None,
+             head_keep: int = 0):
         lora_id, lora = self._prepared_inputs(adapter)
         if adapter is not None:
             session = self._lora_session
         else:
             session = self.decode_session if len(tokens) == 1 else self.session
         binding = self._binding(kv_cache, row, session)
-        binding.prepare(tokens, start, lora_id, lora or {})
+        binding.prepare(tokens, start, lora_id, lora or {}, head_keep)
         run_options = self._run_options if len(tokens) == 1 else self._chunk_run_options
         try:
             session.run_with_iobinding(binding.io, run_options)
@@ -190,7 +192,7 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
 
     def _run_prefill_chunk(self, tokens: np.ndarray, chunk: Chunk, kv_cache: KVCache, row: int,
                            adapter: LoraAdapter | None) -> None:
-        self._run(tokens, chunk.start, kv_cache, row, adapter)
+        self._run(tokens, chunk.start, kv_cache, row, adapter, head_keep=CANDIDATES)  # its logits go unread
 
     def _decode(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None) -> np.ndarray:
         out = self._logits.take((kv_cache.batch_size, self.config.vocab_size), np.float32)
@@ -204,7 +206,8 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             return host_sample(self._decode(tokens, kv_cache, adapter), sampler, kv_cache.num_tokens)
         out = np.zeros(kv_cache.batch_size, np.int32)
         for row in range(kv_cache.batch_size):
-            _, logits_value = self._run(tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter)
+            _, logits_value = self._run(tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter,
+                                        head_keep=CANDIDATES)  # the sampler draws from these
             out[row] = self._sample_on_graph(logits_value, sampler, sampler.seed_for(kv_cache.num_tokens, row))
         return out
 
@@ -257,6 +260,10 @@ class _RowBinding:
         self.total = np.zeros((), np.int32)
         self._bind("seqlens_k", self.seqlens)
         self._bind("total_sequence_length", self.total)
+        # a screened head's: 0 computes every logit, k the rows that can rank among the k largest
+        self.head_keep = np.zeros(1, np.int32)
+        if HEAD_KEEP_INPUT in {i.name for i in session.get_inputs()}:
+            self._bind(HEAD_KEEP_INPUT, self.head_keep)
         self.steps = -1
         self.lora_id: object = "unbound"
 
@@ -265,7 +272,8 @@ class _RowBinding:
         self.io.bind_ortvalue_input(name, value)
         self.keep[name] = value
 
-    def prepare(self, tokens: np.ndarray, start: int, lora_id: int | None, lora: dict[str, np.ndarray]) -> None:
+    def prepare(self, tokens: np.ndarray, start: int, lora_id: int | None, lora: dict[str, np.ndarray],
+                head_keep: int = 0) -> None:
         steps = len(tokens)
         if steps != self.steps:
             self.tokens, self.positions = np.zeros((1, steps), np.int32), np.zeros(steps, np.int32)
@@ -276,6 +284,7 @@ class _RowBinding:
         self.positions[:] = np.arange(start, start + steps, dtype=np.int32)
         self.seqlens[0] = start + steps - 1
         self.total[...] = start + steps
+        self.head_keep[0] = head_keep
         if lora_id != self.lora_id:
             for name, array in lora.items():
                 self._bind(name, array)

@@ -130,6 +130,9 @@ typedef struct {
     int kind;
     void *linear_scratch;   /* the activations as linear_prepare writes them, grown to the widest call */
     size_t linear_scratch_bytes;
+    float *screen_heap;     /* a screened head's keep lower bounds, grown to the largest keep */
+    int screen_heap_floats;
+    uint64_t stat_screened_rows, stat_screened_calls; /* rows a screened head computed exactly, and its calls */
     float *prefill_scratch[2]; /* the caller's and the helper's, made at the first prefill call */
     float *zero_mask;       /* max_slots zeros: the mask of a call given its span (ONNX Runtime's op) */
     float *rotated;         /* [2 heads * D]: a rope form's query, then its key row, after RoPE */
@@ -710,7 +713,8 @@ static Status compute_linear(State *st, LinearJob *job, const LentThreads *lent)
         st->kind = TASK_LINEAR;
         /* a float head is a step's only litekv linear: between steps the helper's polling would take
            time slices from XNNPACK's worker (helper_main), so it sleeps and this offer wakes it */
-        if (job->format != LINEAR_F32) atomic_store_explicit(&st->serves_linears, 1, memory_order_relaxed);
+        if (job->format != LINEAR_F32 && job->format != LINEAR_INT8_FLOAT)
+            atomic_store_explicit(&st->serves_linears, 1, memory_order_relaxed);
         share(st, count);
     }
     return STATUS_OK;
@@ -789,8 +793,34 @@ static void state_destroy(State *st) {
     pthread_cond_destroy(&st->wake);
     free(st->scores), free(st->acc), free(st->max), free(st->parts), free(st->numerators), free(st->digit_bytes);
     free(st->prefill_scratch[0]), free(st->prefill_scratch[1]), free(st->linear_scratch), free(st->zero_mask);
-    free(st->unblocked), free(st->rotated);
+    free(st->unblocked), free(st->rotated), free(st->screen_heap);
     free(st);
+}
+
+/* A head y = W x (x [in], W [out][in] fp32) whose rows that can rank among the `keep` largest are
+ * exact and the rest -FLT_MAX (ScreenedHead, linear.h): the screen's rows (codes, row_scales) go to
+ * the threads as any linear's; `keep` outside 1 .. out - 1 computes the whole head from W. */
+static Status compute_screened_head(State *st, const float *x, float *y, const float *w, const int8_t *codes,
+                                    const float *row_scales, const float *bounds, int keep, int in, int out,
+                                    const LentThreads *lent) {
+    LinearJob exact = {x, y, w, NULL, NULL, NULL, LINEAR_F32, 1, in, out, 0, 0, 0, NULL, 0};
+    if (keep <= 0 || keep >= out) return compute_linear(st, &exact, lent);
+    LinearJob screen = {x, y, codes, NULL, NULL, row_scales, LINEAR_INT8_FLOAT, 1, in, out, 0, 0, 0, NULL, 0};
+    if (linear_check(&screen) || linear_check(&exact)) return STATUS_INVALID_ARGUMENT;
+    Status status = compute_linear(st, &screen, lent); /* grows the scratch the exact rows' prepare takes */
+    if (status != STATUS_OK) return status;
+    if (keep > st->screen_heap_floats) {
+        float *grown = realloc(st->screen_heap, sizeof(float) * (size_t)keep);
+        if (!grown) return STATUS_RUNTIME_FAILURE;
+        st->screen_heap = grown, st->screen_heap_floats = keep;
+    }
+    linear_prepare(&exact, st->vector_linears ? st->linear_scratch : NULL); /* the path the whole head takes */
+    exact.rows_per_task = 1;
+    const ScreenedHead head = {&exact, bounds, keep};
+    const int computed = screened_head_finish(&head, st->screen_heap);
+    if (computed < 0) return STATUS_INVALID_ARGUMENT;
+    st->stat_screened_rows += (uint64_t)computed, st->stat_screened_calls++;
+    return STATUS_OK;
 }
 
 /* ---- LiteRT custom op callbacks ------------------------------------------------------------- */
@@ -1112,6 +1142,17 @@ static Status linear_output_layouts(void *user_data, size_t num_inputs, const La
     return STATUS_OK;
 }
 
+/* "litekv.linear_f32_screened": x [.., in] and W [out, in] (then the screen's inputs) -> [.., out]. */
+static Status screened_head_output_layouts(void *user_data, size_t num_inputs, const Layout *inputs,
+                                           size_t num_outputs, Layout *outputs) {
+    (void)user_data;
+    if (num_inputs != 6 || num_outputs != 1 || inputs[0].rank < 1 || inputs[1].rank != 2) return STATUS_INVALID_ARGUMENT;
+    outputs[0] = inputs[0];
+    outputs[0].has_strides = false;
+    outputs[0].dimensions[inputs[0].rank - 1] = inputs[1].dimensions[0];
+    return STATUS_OK;
+}
+
 /* The job from the buffers' sizes alone (a run sees no shapes): `out` is the row scales' count. */
 static Status linear_job(LinearJob *job, int format, const float *x, size_t nx, const void *codes, size_t ncodes,
                          const uint16_t *block_scales, size_t nblock_scales, const int8_t *offsets, size_t noffsets,
@@ -1178,6 +1219,27 @@ static Status op_run_linear_int8(void *user_data, size_t num_inputs, void *const
 static Status op_run_linear_f32(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
                                 void **outputs) {
     return linear_run(user_data, num_inputs, inputs, num_outputs, outputs, LINEAR_F32);
+}
+
+/* "litekv.linear_f32_screened": x [.., in] (one row), W float32 [out, in], the screen's codes int8
+ * [out, in] and row scales [out], bounds [out], keep int32 [1] (a signature input: 0 for the whole
+ * head, the sampler's candidates when it samples in the graph) -> [.., out] (compute_screened_head). */
+static Status op_run_screened_head(void *user_data, size_t num_inputs, void *const *inputs, size_t num_outputs,
+                                   void **outputs) {
+    AttentionConfig *cfg = user_data;
+    void *x, *w, *codes, *scales, *bounds, *keep, *y;
+    size_t nx, nw, ncodes, nscales, nbounds, nkeep, ny;
+    if (!cfg->state || num_inputs != 6 || num_outputs != 1) return STATUS_INVALID_ARGUMENT;
+    if (buffer(cfg, inputs[0], &x, &nx, sizeof(float)) || buffer(cfg, inputs[1], &w, &nw, sizeof(float)) ||
+        buffer(cfg, inputs[2], &codes, &ncodes, 1) || buffer(cfg, inputs[3], &scales, &nscales, sizeof(float)) ||
+        buffer(cfg, inputs[4], &bounds, &nbounds, sizeof(float)) ||
+        buffer(cfg, inputs[5], &keep, &nkeep, sizeof(int32_t)) || buffer(cfg, outputs[0], &y, &ny, sizeof(float)))
+        return STATUS_RUNTIME_FAILURE;
+    if (!nx || !ny || nw != nx * ny || ncodes != nw || nscales != ny || nbounds != ny || nkeep != 1 ||
+        nx > INT32_MAX || ny > INT32_MAX)
+        return STATUS_INVALID_ARGUMENT;
+    return compute_screened_head(cfg->state, x, y, w, codes, scales, bounds, *(const int32_t *)keep, (int)nx, (int)ny,
+                                 NULL);
 }
 
 /* "litekv.rope": x [.., T, H, D], cos and sin [.., T, 1, D] -> [.., T, H, D]. */
@@ -1264,6 +1326,15 @@ int litekv_linear_kernel(Kernel *kernel, int format) {
     return STATUS_OK;
 }
 
+/* The callbacks of "litekv.linear_f32_screened", sharing the other ops' state. */
+int litekv_screened_head_kernel(Kernel *kernel) {
+    kernel->init = (void *)op_init;
+    kernel->output_layouts = (void *)screened_head_output_layouts;
+    kernel->run = (void *)op_run_screened_head;
+    kernel->destroy = (void *)op_destroy;
+    return STATUS_OK;
+}
+
 /* The callbacks of "litekv.rope" (head_dim from the registration). */
 int litekv_rope_kernel(Kernel *kernel) {
     kernel->init = (void *)op_init;
@@ -1290,6 +1361,23 @@ int litekv_linear_run(AttentionConfig *cfg, int format, const float *x, float *y
     Status status = linear_job(&job, format, x, (size_t)tokens * in, codes, ncodes, block_scales, blocks, offsets,
                                blocks, row_scales, n_out, y, (size_t)tokens * n_out);
     return status == STATUS_OK ? compute_linear(cfg->state, &job, lent) : status;
+}
+
+/* A screened head on host arrays (ort_ops.c, tests, benchmarks): x [in], y [out], W [out][in], the
+ * screen's codes [out][in] and row scales [out], bounds [out] (compute_screened_head); the screen's
+ * rows go to `lent` threads if given, else the helper. *computed (if not NULL): the rows computed
+ * exactly, out for the whole head. */
+int litekv_screened_head_run(AttentionConfig *cfg, const float *x, float *y, const float *w, const int8_t *codes,
+                             const float *row_scales, const float *bounds, int keep, int in, int out,
+                             const LentThreads *lent, int *computed) {
+    if (in <= 0 || out <= 0 || !x || !y || !w || (keep > 0 && keep < out && (!codes || !row_scales || !bounds)))
+        return STATUS_INVALID_ARGUMENT;
+    if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
+    State *st = cfg->state;
+    const uint64_t before = st->stat_screened_rows;
+    const Status status = compute_screened_head(st, x, y, w, codes, row_scales, bounds, keep, in, out, lent);
+    if (computed) *computed = keep > 0 && keep < out ? (int)(st->stat_screened_rows - before) : out;
+    return status;
 }
 
 /* Whether int8 caches get integer dot products on this CPU (AttentionConfig.int8_dot): 2 with
@@ -1321,6 +1409,14 @@ void litekv_attention_stats(const AttentionConfig *cfg, uint64_t out[11]) {
     out[8] = st ? st->stat_caller_chunk_nanoseconds : 0;
     out[9] = st ? st->stat_wait_nanoseconds : 0;
     out[10] = st ? atomic_load_explicit(&st->stat_helper_chunk_nanoseconds, memory_order_relaxed) : 0;
+}
+
+/* A screened head's counters since the state was made: its screened calls, and the rows they
+ * computed exactly (the whole head's calls not counted). */
+void litekv_screened_head_stats(const AttentionConfig *cfg, uint64_t out[2]) {
+    const State *st = cfg->state;
+    out[0] = st ? st->stat_screened_calls : 0;
+    out[1] = st ? st->stat_screened_rows : 0;
 }
 
 /* Stops the helper thread and frees the scratch; call after the compiled model is destroyed. */

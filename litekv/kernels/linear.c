@@ -37,7 +37,7 @@ int linear_check(const LinearJob *job) {
     if (job->tokens <= 0 || job->in <= 0 || job->out <= 0 || !job->x || !job->y || !job->codes) return 1;
     if (job->format == LINEAR_F32) return 0;
     if (!job->row_scales) return 1;
-    if (job->format == LINEAR_INT8) return 0;
+    if (job->format == LINEAR_INT8 || job->format == LINEAR_INT8_FLOAT) return 0;
     if (!linear_format_int4(job->format) || job->block <= 0 || job->block % 2 || job->in % job->block) return 1;
     return !job->block_scales || !job->offsets;
 }
@@ -62,7 +62,7 @@ static void rows_portable(const LinearJob *job, int first, int last) {
             if (job->format == LINEAR_F32) {
                 const float *w = (const float *)job->codes + (size_t)o * in;
                 for (int k = 0; k < in; k++) total += w[k] * x[k];
-            } else if (job->format == LINEAR_INT8) {
+            } else if (job->format == LINEAR_INT8 || job->format == LINEAR_INT8_FLOAT) {
                 const int8_t *w = (const int8_t *)job->codes + (size_t)o * in;
                 for (int k = 0; k < in; k++) total += (float)w[k] * x[k];
                 total *= job->row_scales[o];
@@ -356,7 +356,7 @@ int linear_cpu_vector(void) {
 
 /* Whether the vector paths take a job's shapes (both the same ones). */
 static int vector_shapes(const LinearJob *job) {
-    if (job->format == LINEAR_F32) return 1;
+    if (job->format == LINEAR_F32 || job->format == LINEAR_INT8_FLOAT) return 1;
     return job->in % 32 == 0 && (job->format == LINEAR_INT8 || (job->block == 32 && job->in % 64 == 0));
 }
 
@@ -373,7 +373,7 @@ static int job_vector(const LinearJob *job) {
 }
 
 size_t linear_scratch_bytes(const LinearJob *job) {
-    if (job->format == LINEAR_F32) return 64; /* read as it is */
+    if (job->format == LINEAR_F32 || job->format == LINEAR_INT8_FLOAT) return 64; /* read as it is */
     switch (job_vector(job)) {
 #if LITEKV_INT8_DOT
     case LINEAR_VNNI: return (size_t)job->tokens * prepared_stride(job);
@@ -392,7 +392,7 @@ void linear_prepare(LinearJob *job, void *scratch) {
     const int multiple = job->tokens > 1 ? LINEAR_TILE_ROWS : 4; /* many tokens: whole tiles (linear_avx2_tiles.c) */
     job->rows_per_task = rows < multiple ? multiple : rows / multiple * multiple;
     job->vector = scratch && vector_shapes(job) ? job_vector(job) : LINEAR_PORTABLE;
-    if (job->format == LINEAR_F32) return;
+    if (job->format == LINEAR_F32 || job->format == LINEAR_INT8_FLOAT) return;
     job->prepared = scratch;
 #if LITEKV_INT8_DOT
     if (job->vector == LINEAR_VNNI) {
@@ -412,6 +412,16 @@ void linear_prepare(LinearJob *job, void *scratch) {
 void linear_task(const LinearJob *job, int task) {
     const int first = task * job->rows_per_task, end = first + job->rows_per_task,
               last = end < job->out ? end : job->out;
+    if (job->format == LINEAR_INT8_FLOAT) { /* one AVX2 loop for every vector CPU: it is read-bound */
+#if LITEKV_LINEAR_AVX2
+        if (job->vector != LINEAR_PORTABLE && linear_cpu_has_avx2()) {
+            linear_avx2_rows(job, first, last);
+            return;
+        }
+#endif
+        rows_portable(job, first, last);
+        return;
+    }
 #if LITEKV_INT8_DOT
     if (job->vector == LINEAR_VNNI) {
         (linear_format_int4(job->format) ? int4_rows_vnni

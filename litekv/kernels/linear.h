@@ -15,6 +15,8 @@ enum {
     LINEAR_UINT4 = 2, /* LINEAR_INT4 with each nibble holding code + 8, unsigned: the layout of ONNX
                          Runtime's MatMulNBits without zero points, so one tensor serves both */
     LINEAR_F32 = 3,   /* codes: float [out, in], W itself; no scales (an fp32 LM head, one row a step) */
+    LINEAR_INT8_FLOAT = 4, /* LINEAR_INT8's weights times x as it is, products in float: the only error is
+                              the weights' rounding, which a screened head bounds (screened_head.c) */
 };
 
 /* Whether a format holds 4-bit codes (LINEAR_INT4 or LINEAR_UINT4). */
@@ -73,6 +75,21 @@ int int4_offsets_tile_tasks(const Int4Offsets *job);
 size_t int4_offsets_scratch_floats(const Int4Offsets *job); /* per worker, for int4_offsets_tile */
 void int4_offsets_sums(const Int4Offsets *job, int task);
 void int4_offsets_tile(const Int4Offsets *job, int tile, float *weights);
+
+/* screened_head.c: the rows of an fp32 LM head y = W x that can rank among its `keep` largest,
+ * exact, for samplers that draw from the `keep` most likely tokens (converters/sampling_graph.py), at
+ * a quarter of the head's bytes. y holds the screen first: a LINEAR_INT8_FLOAT job over int8 codes C
+ * and row scales s, so |(W x)[r] - y[r]| <= bounds[r] * |x|_2 (the converter folds the codes' rounding
+ * and the float sums' into bounds). Every row whose upper bound reaches the keep-th largest lower
+ * bound is then computed from W by linear_task(`exact`, r) (a LINEAR_F32 job, one row a task, so
+ * its values are the whole head's to the bit) and every other row set to -FLT_MAX: no row of the
+ * top `keep` can be among those. `heap` holds `keep` floats. Returns the rows computed exactly. */
+typedef struct {
+    const LinearJob *exact;  /* LINEAR_F32 over W [out][in], y as the screen's, rows_per_task 1 */
+    const float *bounds;     /* [out] */
+    int keep;                /* 1 .. out */
+} ScreenedHead;
+int screened_head_finish(const ScreenedHead *head, float *heap);
 
 /* rope.c: x and out [tokens][heads][dim], cos and sin [tokens][dim]; out = x cos + rotate_half(x) sin. */
 void rope_apply(const float *x, const float *cos, const float *sin, float *out, int tokens, int heads, int dim);

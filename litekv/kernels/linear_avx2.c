@@ -330,7 +330,46 @@ TARGET static void f32_rows(const LinearJob *job, int first, int last) {
     }
 }
 
+/* LINEAR_INT8_FLOAT (a screened head's screen): int8 codes widened to float against x as it is, so the
+ * row's error is its codes' rounding alone. 8 rows at once share the reduction, as int8_rows do; the
+ * read-bound rows prefetch as theirs (a quarter of an fp32 head's bytes: 28 MB for SmolLM2). */
+TARGET static inline __m256 int8_float_row(const int8_t *w, const float *x, int in) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int k = 0;
+    for (; k + 32 <= in; k += 32) {
+        __builtin_prefetch(w + k + LINEAR_AVX2_PREFETCH, 0, 2);
+        for (int i = 0; i < 4; i++) {
+            const __m256i codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(w + k + 8 * i)));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes), _mm256_loadu_ps(x + k + 8 * i), acc[i]);
+        }
+    }
+    float tail = 0.0f;
+    for (; k < in; k++) tail += (float)w[k] * x[k];
+    const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    return _mm256_add_ps(sum, _mm256_setr_ps(tail, 0, 0, 0, 0, 0, 0, 0));
+}
+
+TARGET static void int8_float_rows(const LinearJob *job, int first, int last) {
+    const int in = job->in;
+    const int8_t *codes = job->codes;
+    for (int t = 0; t < job->tokens; t++) {
+        const float *x = job->x + (size_t)t * in;
+        float *y = job->y + (size_t)t * job->out;
+        int o = first;
+        for (; o + 8 <= last; o += 8) {
+            __m256 v[8];
+            for (int i = 0; i < 8; i++) v[i] = int8_float_row(codes + (size_t)(o + i) * in, x, in);
+            _mm256_storeu_ps(y + o, _mm256_mul_ps(sums8(v), _mm256_loadu_ps(job->row_scales + o)));
+        }
+        for (; o < last; o++) y[o] = job->row_scales[o] * horizontal_sum(int8_float_row(codes + (size_t)o * in, x, in));
+    }
+}
+
 void linear_avx2_rows(const LinearJob *job, int first, int last) {
+    if (job->format == LINEAR_INT8_FLOAT) {
+        int8_float_rows(job, first, last);
+        return;
+    }
     if (linear_avx2_tiles_take(job)) { /* whole tiles, then any rows left */
         const int tiled = first + (last - first) / LINEAR_TILE_ROWS * LINEAR_TILE_ROWS;
         linear_avx2_tiles(job, first, tiled);

@@ -120,6 +120,7 @@ enum {
     KIND_INT4_OFFSETS,
     KIND_LINEAR_F32,
     KIND_GATE,
+    KIND_LINEAR_F32_SCREENED,
     KINDS
 };
 enum { GATE_NONE = 0, GATE_SILU = LINEAR_GATE_SILU, GATE_GELU_TANH = LINEAR_GATE_GELU_TANH }; /* emit_onnx.GATES */
@@ -154,6 +155,9 @@ int litekv_linear_run(void *cfg, int format, const float *x, float *y, const voi
 int litekv_attention_head_major(void *cfg, const float *query, const void *keys, const void *values, float *out,
                                 int heads, int kv_heads, int slots, int head_dim, int lo, int hi, int cache_type,
                                 const LentThreads *lent);
+int litekv_screened_head_run(void *cfg, const float *x, float *y, const float *w, const int8_t *codes,
+                             const float *row_scales, const float *bounds, int keep, int in, int out,
+                             const LentThreads *lent, int *computed);
 
 /* One op of one registration: ONNX Runtime hands `op` back to every callback, so the rest is ours. */
 typedef struct {
@@ -215,7 +219,8 @@ static int kind_of(const CustomOp *op) { return ((const Op *)(const void *)op)->
 static const char *op_name(const CustomOp *op) {
     static const char *const names[] = {"LinearInt4",          "LinearInt8",          "DecodeAttention",
                                         "PrefillAttention",    "DecodeAttentionInt8", "PrefillAttentionInt8",
-                                        "Int4Offsets",         "LinearF32",           "Gate"};
+                                        "Int4Offsets",         "LinearF32",           "Gate",
+                                        "LinearF32Screened"};
     return names[kind_of(op)];
 }
 
@@ -230,6 +235,9 @@ static const int linear_int4_inputs[] = {TYPE_FLOAT, TYPE_UINT8, TYPE_FLOAT16, T
 static const int linear_int8_inputs[] = {TYPE_FLOAT, TYPE_INT8, TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT};
 static const int linear_f32_inputs[] = {TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT};
 static const int gate_inputs[] = {TYPE_FLOAT};
+/* x, W, the screen's codes, row scales and bounds, keep (decode_attention.c: compute_screened_head) */
+static const int linear_f32_screened_inputs[] = {TYPE_FLOAT, TYPE_FLOAT, TYPE_INT8,  TYPE_FLOAT,
+                                                 TYPE_FLOAT, TYPE_INT32, TYPE_FLOAT, TYPE_FLOAT};
 /* query, key, value, past_key, past_value, seqlens_k, cos, sin */
 static const int attention_inputs[] = {TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT,
                                        TYPE_FLOAT, TYPE_INT32, TYPE_FLOAT, TYPE_FLOAT};
@@ -242,19 +250,20 @@ enum { ATTN_QUERY, ATTN_KEY, ATTN_VALUE, ATTN_PAST_KEY, ATTN_PAST_VALUE, ATTN_SE
        ATTN_K_SCALE, ATTN_V_SCALE };
 
 static size_t op_input_count(const CustomOp *op) {
-    static const size_t counts[] = {7, 5, 8, 8, 10, 10, 4, 4, 1};
+    static const size_t counts[] = {7, 5, 8, 8, 10, 10, 4, 4, 1, 8};
     return counts[kind_of(op)];
 }
 
 /* A linear's inputs before the norm's: x and its weights. */
 static size_t linear_weight_inputs(int kind) {
-    return kind == KIND_LINEAR_INT8 ? 3 : kind == KIND_LINEAR_F32 ? 2 : 5;
+    return kind == KIND_LINEAR_INT8 ? 3 : kind == KIND_LINEAR_F32 ? 2 : kind == KIND_LINEAR_F32_SCREENED ? 6 : 5;
 }
 
 static int op_input_type(const CustomOp *op, size_t index) {
     static const int *const types[] = {linear_int4_inputs,  linear_int8_inputs,    attention_inputs,
                                        attention_inputs,    attention_int8_inputs, attention_int8_inputs,
-                                       int4_offsets_inputs, linear_f32_inputs,     gate_inputs};
+                                       int4_offsets_inputs, linear_f32_inputs,     gate_inputs,
+                                       linear_f32_screened_inputs};
     return index < op_input_count(op) ? types[kind_of(op)][index] : 0;
 }
 
@@ -267,7 +276,8 @@ static int is_attention(int kind) {
 }
 
 static int is_linear(int kind) {
-    return kind == KIND_LINEAR_INT4 || kind == KIND_LINEAR_INT8 || kind == KIND_LINEAR_F32;
+    return kind == KIND_LINEAR_INT4 || kind == KIND_LINEAR_INT8 || kind == KIND_LINEAR_F32 ||
+           kind == KIND_LINEAR_F32_SCREENED;
 }
 
 static size_t op_output_count(const CustomOp *op) {
@@ -476,9 +486,11 @@ static OrtStatus *linear_compute(const Kernel *kernel, void *context) {
     const Op *op = kernel->op;
     Registration *r = kernel->registration;
     const OrtApi *api = op->api;
-    const int int8 = op->kind == KIND_LINEAR_INT8, f32 = op->kind == KIND_LINEAR_F32, int4 = !int8 && !f32;
+    const int screened = op->kind == KIND_LINEAR_F32_SCREENED;
+    const int int8 = op->kind == KIND_LINEAR_INT8, f32 = op->kind == KIND_LINEAR_F32 || screened, int4 = !int8 && !f32;
     const size_t weights = linear_weight_inputs(op->kind);
-    Tensor x, codes, scales = {0}, offsets = {0}, row_scales = {0}, skip, norm_weight;
+    Tensor x, codes, scales = {0}, offsets = {0}, row_scales = {0}, skip, norm_weight, screen = {0}, bounds = {0},
+                     keep = {0};
     size_t inputs = 0, outputs = 0;
     CHECK(API(api, SLOT_KERNEL_CONTEXT_GET_INPUT_COUNT, OrtStatus * (*)(const void *, size_t *))(context, &inputs));
     CHECK(API(api, SLOT_KERNEL_CONTEXT_GET_OUTPUT_COUNT, OrtStatus * (*)(const void *, size_t *))(context, &outputs));
@@ -494,6 +506,12 @@ static OrtStatus *linear_compute(const Kernel *kernel, void *context) {
         CHECK(input(api, context, 2, TYPE_FLOAT16, &scales));
         CHECK(input(api, context, 3, TYPE_INT8, &offsets));
     }
+    if (screened) {
+        CHECK(input(api, context, 2, TYPE_INT8, &screen));
+        CHECK(input(api, context, 3, TYPE_FLOAT, &row_scales));
+        CHECK(input(api, context, 4, TYPE_FLOAT, &bounds));
+        CHECK(input(api, context, 5, TYPE_INT32, &keep));
+    }
     /* Every size checked against the others, so the kernel never reads past a buffer. */
     const size_t in = (size_t)x.dims[x.rank - 1], out = f32 ? (codes.rank ? (size_t)codes.dims[0] : 0) : row_scales.count;
     const size_t tokens = in ? x.count / in : 0, blocks = out && int4 ? scales.count / out : 0;
@@ -503,12 +521,15 @@ static OrtStatus *linear_compute(const Kernel *kernel, void *context) {
         (!int4 || (in % 2 == 0 && blocks > 0 && in % blocks == 0 && (in / blocks) % 2 == 0 &&
                    scales.count == out * blocks && offsets.count == out * blocks)) &&
         (!skip.data || (norm_weight.data && skip.count == x.count)) && (!norm_weight.data || norm_weight.count == in) &&
-        (outputs == 1 || norm_weight.data);
+        (outputs == 1 || norm_weight.data) &&
+        (!screened || (tokens == 1 && kernel->gate == GATE_NONE && screen.count == out * in &&
+                       row_scales.count == out && bounds.count == out && keep.count == 1));
     if (!shapes_agree)
         return error(api, ORT_INVALID_ARGUMENT,
                      "litekv linear: the input shapes disagree (x [.., in], codes [out, ..] (LinearF32: the weight "
                      "[out, in]), scales [out, blocks], offsets [out, blocks], row scales [out]; an even out with a "
-                     "gate; a norm's skip [.., in] only with its weight [in], and the sum output only with a norm)");
+                     "gate; a norm's skip [.., in] only with its weight [in], and the sum output only with a norm; "
+                     "LinearF32Screened: one row, the screen's codes [out, in], row scales and bounds [out], keep [1])");
     int64_t dims[MAX_RANK];
     for (size_t i = 0; i < x.rank; i++) dims[i] = x.dims[i];
     dims[x.rank - 1] = (int64_t)(kernel->gate ? out / 2 : out);
@@ -529,10 +550,13 @@ static OrtStatus *linear_compute(const Kernel *kernel, void *context) {
     PoolOfCall call = {api, context};
     const LentThreads pool = {run_on_pool, &call};
     const int format = int8 ? LINEAR_INT8 : f32 ? LINEAR_F32 : LINEAR_UINT4;
-    int status = rows && activations ? litekv_linear_run(op->config, format, activations, rows, codes.data, scales.data,
-                                                         offsets.data, row_scales.data, (int)tokens, (int)in, (int)out,
-                                                         int4 ? (int)(in / blocks) : 0, kernel->on_pool ? &pool : NULL)
-                                     : -1;
+    int status = !rows || !activations ? -1
+                 : screened ? litekv_screened_head_run(op->config, activations, rows, codes.data, screen.data,
+                                                       row_scales.data, bounds.data, *(const int32_t *)keep.data,
+                                                       (int)in, (int)out, kernel->on_pool ? &pool : NULL, NULL)
+                            : litekv_linear_run(op->config, format, activations, rows, codes.data, scales.data,
+                                                offsets.data, row_scales.data, (int)tokens, (int)in, (int)out,
+                                                int4 ? (int)(in / blocks) : 0, kernel->on_pool ? &pool : NULL);
     if (status == 0 && kernel->gate) linear_gate(rows, y, tokens, out / 2, kernel->gate);
     pthread_mutex_unlock(&call_lock);
     return status ? error(api, ORT_RUNTIME_EXCEPTION, "litekv linear: the kernel failed (out of memory?)") : NULL;
