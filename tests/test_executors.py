@@ -44,6 +44,28 @@ def test_external_and_internal_greedy_agree(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_takes_the_top_logit_without_running_the_sampler_graph(backend, monkeypatch):
+    """Greedy steps take the top logit on the host (4 us against the sampler graph's 94-129 for
+    SmolLM2, bench/PERFORMANCE.md, thirty-first round); the other samplers run the graph."""
+    ex = get(backend)
+    sampler_run = "_sample_on_graph" if backend == "onnx" else None
+    runs = []
+    if sampler_run:
+        original = ex._sample_on_graph
+        monkeypatch.setattr(ex, "_sample_on_graph", lambda *a: runs.append(1) or original(*a))
+    else:
+        original = ex._sampler.run
+        monkeypatch.setattr(ex._sampler, "run", lambda *a: runs.append(1) or original(*a))
+    cache = ex.create_kv_cache()
+    ex.prefill(prompt(5), cache)
+    ex.sample_tokens(4, [3], cache)
+    ex.sample_tokens(3, [3], cache, sampler=SamplerParams(top_k=1, temperature=0.7))
+    assert runs == []
+    ex.sample_tokens(2, [3], cache, sampler=SamplerParams(temperature=0.9, seed=3))
+    assert runs == [1, 1]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_seeded_sampling_matches_host_sampler(backend):
     ex, ref = get(backend), reference(ARCH)
     sampler = SamplerParams(temperature=0.8, top_k=40, top_p=0.95, seed=1234)

@@ -124,3 +124,47 @@ def test_bundles_sample_what_the_unscreened_head_samples(backend):
     plain.prefill(prompt[:-1], theirs)
     logits = screened.step([prompt[-1]], ours)
     assert (logits > LOWEST).all() and np.array_equal(logits, plain.step([prompt[-1]], theirs))
+
+
+def _onnx_head(out: int, width: int, screen: tuple[np.ndarray, ...], bounds_rows: int | None = None) -> bytes:
+    """A one-node graph: y = LinearF32Screened(x [1, width], W, the screen, keep), W and the screen
+    as initializers (bounds cut to `bounds_rows` to break the contract)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from litekv.converters.emit_onnx import KERNEL_DOMAIN
+
+    codes, scales, bounds = screen
+    names = ("weight", "codes", "row_scales", "bounds")
+    arrays = (np.zeros((out, width), np.float32), codes, scales, bounds[:bounds_rows or out])
+    node = helper.make_node("LinearF32Screened", ["x", *names, "keep"], ["y"], domain=KERNEL_DOMAIN)
+    graph = helper.make_graph([node], "head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, width]),
+                                               helper.make_tensor_value_info("keep", TensorProto.INT32, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, out])],
+                              [numpy_helper.from_array(np.ascontiguousarray(a), n) for n, a in zip(names, arrays)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(KERNEL_DOMAIN, 1)])
+    model.ir_version = 10
+    return model
+
+
+def test_the_onnx_op_gives_the_kernels_rows_and_rejects_a_broken_contract(kernel):
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(9)
+    w = _head(rng, 1024, 64)
+    screen = head_screen(w)
+    model = _onnx_head(1024, 64, screen)
+    model.graph.initializer[0].CopyFrom(__import__("onnx").numpy_helper.from_array(w, "weight"))
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = kernel.onnx_session(model.SerializeToString(), options)
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    for keep in (0, CANDIDATES):
+        got = session.run(None, {"x": x, "keep": np.array([keep], np.int32)})[0][0]
+        expected, _ = kernel.run_screened_head(x[0], w, *screen, keep)
+        assert np.array_equal(got, expected)
+    options = ort.SessionOptions()  # litekv's ops register once per SessionOptions
+    options.intra_op_num_threads = 1
+    broken = kernel.onnx_session(_onnx_head(1024, 64, screen, bounds_rows=1000).SerializeToString(), options)
+    with pytest.raises(Exception, match="LinearF32Screened"):
+        broken.run(None, {"x": x, "keep": np.array([CANDIDATES], np.int32)})

@@ -336,7 +336,10 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             for row in range(kv_cache.batch_size):
                 io = self._run(name, tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter,
                                head_keep=CANDIDATES)  # the sampler draws from these
-                out[row] = self._sampler.run(io, sampler.graph_inputs(sampler.seed_for(kv_cache.num_tokens, row)))
+                if sampler.greedy:  # the sampler graph's top-1 (lowest index of ties) without its run
+                    out[row] = io.outputs["logits"][0, 0].argmax()
+                else:
+                    out[row] = self._sampler.run(io, sampler.graph_inputs(sampler.seed_for(kv_cache.num_tokens, row)))
         return out
 
     # ---- cancellation ---------------------------------------------------------------------------

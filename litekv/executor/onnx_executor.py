@@ -206,9 +206,12 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             return host_sample(self._decode(tokens, kv_cache, adapter), sampler, kv_cache.num_tokens)
         out = np.zeros(kv_cache.batch_size, np.int32)
         for row in range(kv_cache.batch_size):
-            _, logits_value = self._run(tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter,
-                                        head_keep=CANDIDATES)  # the sampler draws from these
-            out[row] = self._sample_on_graph(logits_value, sampler, sampler.seed_for(kv_cache.num_tokens, row))
+            logits, logits_value = self._run(tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter,
+                                             head_keep=CANDIDATES)  # the sampler draws from these
+            if sampler.greedy:  # the sampler graph's top-1 (lowest index of ties) without its run
+                out[row] = logits[0, 0].argmax()
+            else:
+                out[row] = self._sample_on_graph(logits_value, sampler, sampler.seed_for(kv_cache.num_tokens, row))
         return out
 
     def _sample_on_graph(self, logits_value, sampler: SamplerParams, seed: int) -> int:
