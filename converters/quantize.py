@@ -67,6 +67,9 @@ def head_screen(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rounding, at most in * 2^-24 * |row|_2 * |x|_2 for either side, doubled for margin.
     """
     w = np.asarray(w, np.float32)
+    if not np.isfinite(w).all():
+        raise ConfigError("the LM head holds NaN or infinite weights; check the checkpoint, or convert with "
+                          "--no-head-screen.")
     codes, scales = int8_per_channel(w)
     wide = w.astype(np.float64)
     screen = codes.astype(np.float64) * scales.astype(np.float64)[:, None]

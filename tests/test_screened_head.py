@@ -88,6 +88,24 @@ def test_keep_outside_the_rows_computes_the_whole_head(kernel):
     assert np.allclose(whole, w @ x, rtol=1e-5, atol=1e-5)
 
 
+def test_nan_activations_come_out_as_nan_logits_not_a_token(kernel):
+    rng = np.random.default_rng(4)
+    w = _head(rng, 500, 64)
+    x = rng.standard_normal(64).astype(np.float32)
+    x[7] = np.nan  # a diverged model: the whole head's logits are NaN, and so are the screened ones
+    y, computed = kernel.run_screened_head(x, w, *head_screen(w), CANDIDATES)
+    assert computed == 500 and np.isnan(y).all()
+
+
+def test_a_head_with_infinite_weights_is_refused_at_conversion():
+    from litekv.errors import ConfigError
+
+    w = np.ones((70, 32), np.float32)
+    w[3, 4] = np.inf
+    with pytest.raises(ConfigError, match="--no-head-screen"):
+        head_screen(w)
+
+
 def _plain_bundle(backend: str):
     options = ConvertOptions(backend=backend, max_context=MAX_CONTEXT, prefill_lengths=PREFILL_LENGTHS,
                              kv_cache="fp32", head_screen=False)

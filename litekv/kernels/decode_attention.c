@@ -802,12 +802,13 @@ static void state_destroy(State *st) {
  * the threads as any linear's; `keep` outside 1 .. out - 1 computes the whole head from W. */
 static Status compute_screened_head(State *st, const float *x, float *y, const float *w, const int8_t *codes,
                                     const float *row_scales, const float *bounds, int keep, int in, int out,
-                                    const LentThreads *lent) {
+                                    const LentThreads *lent, int *computed) {
     LinearJob exact = {x, y, w, NULL, NULL, NULL, LINEAR_F32, 1, in, out, 0, 0, 0, NULL, 0};
+    *computed = out;
     if (keep <= 0 || keep >= out) return compute_linear(st, &exact, lent);
     LinearJob screen = {x, y, codes, NULL, NULL, row_scales, LINEAR_INT8_FLOAT, 1, in, out, 0, 0, 0, NULL, 0};
     if (linear_check(&screen) || linear_check(&exact)) return STATUS_INVALID_ARGUMENT;
-    Status status = compute_linear(st, &screen, lent); /* grows the scratch the exact rows' prepare takes */
+    Status status = compute_linear(st, &screen, lent);
     if (status != STATUS_OK) return status;
     if (keep > st->screen_heap_floats) {
         float *grown = realloc(st->screen_heap, sizeof(float) * (size_t)keep);
@@ -817,9 +818,9 @@ static Status compute_screened_head(State *st, const float *x, float *y, const f
     linear_prepare(&exact, st->vector_linears ? st->linear_scratch : NULL); /* the path the whole head takes */
     exact.rows_per_task = 1;
     const ScreenedHead head = {&exact, bounds, keep};
-    const int computed = screened_head_finish(&head, st->screen_heap);
-    if (computed < 0) return STATUS_INVALID_ARGUMENT;
-    st->stat_screened_rows += (uint64_t)computed, st->stat_screened_calls++;
+    *computed = screened_head_finish(&head, st->screen_heap);
+    if (*computed < 0) return STATUS_INVALID_ARGUMENT;
+    st->stat_screened_rows += (uint64_t)*computed, st->stat_screened_calls++;
     return STATUS_OK;
 }
 
@@ -1238,8 +1239,9 @@ static Status op_run_screened_head(void *user_data, size_t num_inputs, void *con
     if (!nx || !ny || nw != nx * ny || ncodes != nw || nscales != ny || nbounds != ny || nkeep != 1 ||
         nx > INT32_MAX || ny > INT32_MAX)
         return STATUS_INVALID_ARGUMENT;
+    int computed;
     return compute_screened_head(cfg->state, x, y, w, codes, scales, bounds, *(const int32_t *)keep, (int)nx, (int)ny,
-                                 NULL);
+                                 NULL, &computed);
 }
 
 /* "litekv.rope": x [.., T, H, D], cos and sin [.., T, 1, D] -> [.., T, H, D]. */
@@ -1373,10 +1375,10 @@ int litekv_screened_head_run(AttentionConfig *cfg, const float *x, float *y, con
     if (in <= 0 || out <= 0 || !x || !y || !w || (keep > 0 && keep < out && (!codes || !row_scales || !bounds)))
         return STATUS_INVALID_ARGUMENT;
     if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
-    State *st = cfg->state;
-    const uint64_t before = st->stat_screened_rows;
-    const Status status = compute_screened_head(st, x, y, w, codes, row_scales, bounds, keep, in, out, lent);
-    if (computed) *computed = keep > 0 && keep < out ? (int)(st->stat_screened_rows - before) : out;
+    int rows;
+    const Status status = compute_screened_head(cfg->state, x, y, w, codes, row_scales, bounds, keep, in, out, lent,
+                                                &rows);
+    if (computed) *computed = rows;
     return status;
 }
 

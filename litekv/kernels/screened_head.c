@@ -43,7 +43,8 @@ int screened_head_finish(const ScreenedHead *head, float *heap) {
     /* the keep largest lower bounds, smallest at heap[0] */
     int size = 0;
     for (int r = 0; r < out; r++) {
-        const float low = y[r] - head->bounds[r] * norm;
+        float low = y[r] - head->bounds[r] * norm;
+        if (low != low) low = -INFINITY; /* NaN: never the threshold (its row is recomputed below) */
         if (size < keep) {
             heap[size] = low;
             sift_up(heap, size++);
@@ -55,7 +56,7 @@ int screened_head_finish(const ScreenedHead *head, float *heap) {
     const float threshold = heap[0];
     int computed = 0;
     for (int r = 0; r < out; r++) {
-        if (y[r] + head->bounds[r] * norm >= threshold) {
+        if (!(y[r] + head->bounds[r] * norm < threshold)) { /* a NaN recomputes: the head's NaN stays */
             linear_task(exact, r); /* y[r] from W's row */
             computed++;
         } else {
