@@ -186,7 +186,8 @@ def report(runs: dict[str, list[dict]], ran: list[System], skipped: list[System]
             budget = r[0]["model_file_mb"] + r[0]["kv_mb"] + 150
             rss_budget = f"{fmt(median_field(r, 'peak_rss_mb'), '.0f')} / {budget:.0f}"
         rows.append([s.shown, s.precision_class, fmt(median_field(r, "decode_tok_s"), ".1f"),
-                     fmt(median_field(r, "decode_step_tok_s"), ".1f"), fmt(median_field(r, "prefill_256_tok_s"), ".0f"), fmt(median_field(r, "prefill_1024_tok_s"), ".0f"),
+                     fmt(median_field(r, "decode_step_tok_s"), ".1f"), fmt(median_field(r, "prefill_256_tok_s"), ".0f"),
+                     fmt(median_field(r, "prefill_1024_tok_s"), ".0f"),
                      fmt(median_field(r, "ttft_ms"), ".0f"), fmt(median_field(r, "load_s"), ".2f"),
                      fmt(median_field(r, "peak_rss_mb"), ".0f"), rss_budget,
                      fmt(100 * quality.get(s.name, float("nan")), ".1f")])

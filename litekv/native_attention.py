@@ -161,8 +161,8 @@ def _load() -> ctypes.CDLL:
                         lib.litekv_ort_take.restype = ctypes.c_void_p
                         lib.litekv_ort_release.argtypes = [ctypes.c_void_p]
                         lib.litekv_ort_release.restype = None
-                    except AttributeError:  # a library built before the prefill kernel, linears, ort_ops.c or
-                        _load_error = (f"{spec.origin} is out of date (no prefill kernel, linears, ONNX Runtime "  # screens
+                    except AttributeError:  # a library built before one of these
+                        _load_error = (f"{spec.origin} is out of date (no prefill kernel, linears, ONNX Runtime "
                                        "ops or screened head); reinstall litekv")
                     else:
                         _library, _library_path = lib, spec.origin

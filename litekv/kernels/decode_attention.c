@@ -1130,24 +1130,14 @@ static Status op_run_rope_int8(void *user_data, size_t num_inputs, void *const *
 
 /* "litekv.linear_int4": x [.., in], codes uint8 [out, in/2], block scales float16 [out, blocks],
  * offsets int8 [out, blocks], offset scales float32 [out]. "litekv.linear_int8": x, codes int8
- * [out, in], row scales float32 [out]. Output [.., out]. */
+ * [out, in], row scales float32 [out]. "litekv.linear_f32" (x, W) and "..._screened" (x, W, then the
+ * screen's four inputs). Output [.., out]. */
 static Status linear_output_layouts(void *user_data, size_t num_inputs, const Layout *inputs, size_t num_outputs,
                                     Layout *outputs) {
     (void)user_data;
-    if ((num_inputs != 2 && num_inputs != 3 && num_inputs != 5) || num_outputs != 1 || inputs[0].rank < 1 ||
-        inputs[1].rank != 2)
+    if ((num_inputs != 2 && num_inputs != 3 && num_inputs != 5 && num_inputs != 6) || num_outputs != 1 ||
+        inputs[0].rank < 1 || inputs[1].rank != 2)
         return STATUS_INVALID_ARGUMENT;
-    outputs[0] = inputs[0];
-    outputs[0].has_strides = false;
-    outputs[0].dimensions[inputs[0].rank - 1] = inputs[1].dimensions[0];
-    return STATUS_OK;
-}
-
-/* "litekv.linear_f32_screened": x [.., in] and W [out, in] (then the screen's inputs) -> [.., out]. */
-static Status screened_head_output_layouts(void *user_data, size_t num_inputs, const Layout *inputs,
-                                           size_t num_outputs, Layout *outputs) {
-    (void)user_data;
-    if (num_inputs != 6 || num_outputs != 1 || inputs[0].rank < 1 || inputs[1].rank != 2) return STATUS_INVALID_ARGUMENT;
     outputs[0] = inputs[0];
     outputs[0].has_strides = false;
     outputs[0].dimensions[inputs[0].rank - 1] = inputs[1].dimensions[0];
@@ -1331,7 +1321,7 @@ int litekv_linear_kernel(Kernel *kernel, int format) {
 /* The callbacks of "litekv.linear_f32_screened", sharing the other ops' state. */
 int litekv_screened_head_kernel(Kernel *kernel) {
     kernel->init = (void *)op_init;
-    kernel->output_layouts = (void *)screened_head_output_layouts;
+    kernel->output_layouts = (void *)linear_output_layouts;
     kernel->run = (void *)op_run_screened_head;
     kernel->destroy = (void *)op_destroy;
     return STATUS_OK;

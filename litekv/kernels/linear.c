@@ -366,6 +366,8 @@ static int vector_shapes(const LinearJob *job) {
 static int job_vector(const LinearJob *job) {
     const int path = linear_cpu_vector();
 #if LITEKV_LINEAR_AVX2
+    if (job->format == LINEAR_INT8_FLOAT) /* one AVX2 loop for every vector CPU: the screen is read-bound */
+        return path != LINEAR_PORTABLE && linear_cpu_has_avx2() ? LINEAR_AVX2 : LINEAR_PORTABLE;
     if (path == LINEAR_VNNI && linear_avx2_tiles_take(job) && linear_cpu_has_avx2())
         return LINEAR_AVX2;
 #endif
@@ -412,16 +414,6 @@ void linear_prepare(LinearJob *job, void *scratch) {
 void linear_task(const LinearJob *job, int task) {
     const int first = task * job->rows_per_task, end = first + job->rows_per_task,
               last = end < job->out ? end : job->out;
-    if (job->format == LINEAR_INT8_FLOAT) { /* one AVX2 loop for every vector CPU: it is read-bound */
-#if LITEKV_LINEAR_AVX2
-        if (job->vector != LINEAR_PORTABLE && linear_cpu_has_avx2()) {
-            linear_avx2_rows(job, first, last);
-            return;
-        }
-#endif
-        rows_portable(job, first, last);
-        return;
-    }
 #if LITEKV_INT8_DOT
     if (job->vector == LINEAR_VNNI) {
         (linear_format_int4(job->format) ? int4_rows_vnni

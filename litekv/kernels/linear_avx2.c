@@ -366,16 +366,15 @@ TARGET static void int8_float_rows(const LinearJob *job, int first, int last) {
 }
 
 void linear_avx2_rows(const LinearJob *job, int first, int last) {
-    if (job->format == LINEAR_INT8_FLOAT) {
-        int8_float_rows(job, first, last);
-        return;
-    }
     if (linear_avx2_tiles_take(job)) { /* whole tiles, then any rows left */
         const int tiled = first + (last - first) / LINEAR_TILE_ROWS * LINEAR_TILE_ROWS;
         linear_avx2_tiles(job, first, tiled);
         first = tiled;
     }
-    (linear_format_int4(job->format) ? int4_rows : job->format == LINEAR_F32 ? f32_rows : int8_rows)(job, first, last);
+    (linear_format_int4(job->format)         ? int4_rows
+     : job->format == LINEAR_F32             ? f32_rows
+     : job->format == LINEAR_INT8_FLOAT      ? int8_float_rows
+                                             : int8_rows)(job, first, last);
 }
 
 /* ---- gates --------------------------------------------------------------------------------- */
