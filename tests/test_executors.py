@@ -48,14 +48,9 @@ def test_greedy_takes_the_top_logit_without_running_the_sampler_graph(backend, m
     """Greedy steps take the top logit on the host (4 us against the sampler graph's 94-129 for
     SmolLM2, bench/PERFORMANCE.md, thirty-first round); the other samplers run the graph."""
     ex = get(backend)
-    sampler_run = "_sample_on_graph" if backend == "onnx" else None
-    runs = []
-    if sampler_run:
-        original = ex._sample_on_graph
-        monkeypatch.setattr(ex, "_sample_on_graph", lambda *a: runs.append(1) or original(*a))
-    else:
-        original = ex._sampler.run
-        monkeypatch.setattr(ex._sampler, "run", lambda *a: runs.append(1) or original(*a))
+    owner, name = (ex, "_sample_on_graph") if backend == "onnx" else (ex._sampler, "run")
+    original, runs = getattr(owner, name), []
+    monkeypatch.setattr(owner, name, lambda *a: runs.append(1) or original(*a))
     cache = ex.create_kv_cache()
     ex.prefill(prompt(5), cache)
     ex.sample_tokens(4, [3], cache)

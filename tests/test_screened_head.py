@@ -144,17 +144,16 @@ def test_bundles_sample_what_the_unscreened_head_samples(backend):
     assert (logits > LOWEST).all() and np.array_equal(logits, plain.step([prompt[-1]], theirs))
 
 
-def _onnx_head(out: int, width: int, screen: tuple[np.ndarray, ...], bounds_rows: int | None = None) -> bytes:
-    """A one-node graph: y = LinearF32Screened(x [1, width], W, the screen, keep), W and the screen
-    as initializers (bounds cut to `bounds_rows` to break the contract)."""
-    import onnx
+def _onnx_head(w: np.ndarray, screen: tuple[np.ndarray, ...], bounds_rows: int | None = None) -> bytes:
+    """A one-node graph, serialized: y = LinearF32Screened(x [1, width], W, the screen, keep), W and
+    the screen as initializers (bounds cut to `bounds_rows` to break the contract)."""
     from onnx import TensorProto, helper, numpy_helper
 
     from litekv.converters.emit_onnx import KERNEL_DOMAIN
 
-    codes, scales, bounds = screen
+    (out, width), (codes, scales, bounds) = w.shape, screen
     names = ("weight", "codes", "row_scales", "bounds")
-    arrays = (np.zeros((out, width), np.float32), codes, scales, bounds[:bounds_rows or out])
+    arrays = (w, codes, scales, bounds[:bounds_rows or out])
     node = helper.make_node("LinearF32Screened", ["x", *names, "keep"], ["y"], domain=KERNEL_DOMAIN)
     graph = helper.make_graph([node], "head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, width]),
                                                helper.make_tensor_value_info("keep", TensorProto.INT32, [1])],
@@ -162,7 +161,7 @@ def _onnx_head(out: int, width: int, screen: tuple[np.ndarray, ...], bounds_rows
                               [numpy_helper.from_array(np.ascontiguousarray(a), n) for n, a in zip(names, arrays)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(KERNEL_DOMAIN, 1)])
     model.ir_version = 10
-    return model
+    return model.SerializeToString()
 
 
 def test_the_onnx_op_gives_the_kernels_rows_and_rejects_a_broken_contract(kernel):
@@ -171,11 +170,9 @@ def test_the_onnx_op_gives_the_kernels_rows_and_rejects_a_broken_contract(kernel
     rng = np.random.default_rng(9)
     w = _head(rng, 1024, 64)
     screen = head_screen(w)
-    model = _onnx_head(1024, 64, screen)
-    model.graph.initializer[0].CopyFrom(__import__("onnx").numpy_helper.from_array(w, "weight"))
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    session = kernel.onnx_session(model.SerializeToString(), options)
+    session = kernel.onnx_session(_onnx_head(w, screen), options)
     x = rng.standard_normal((1, 64)).astype(np.float32)
     for keep in (0, CANDIDATES):
         got = session.run(None, {"x": x, "keep": np.array([keep], np.int32)})[0][0]
@@ -183,6 +180,6 @@ def test_the_onnx_op_gives_the_kernels_rows_and_rejects_a_broken_contract(kernel
         assert np.array_equal(got, expected)
     options = ort.SessionOptions()  # litekv's ops register once per SessionOptions
     options.intra_op_num_threads = 1
-    broken = kernel.onnx_session(_onnx_head(1024, 64, screen, bounds_rows=1000).SerializeToString(), options)
+    broken = kernel.onnx_session(_onnx_head(w, screen, bounds_rows=1000), options)
     with pytest.raises(Exception, match="LinearF32Screened"):
         broken.run(None, {"x": x, "keep": np.array([CANDIDATES], np.int32)})

@@ -799,12 +799,13 @@ static void state_destroy(State *st) {
 
 /* A head y = W x (x [in], W [out][in] fp32) whose rows that can rank among the `keep` largest are
  * exact and the rest -FLT_MAX (ScreenedHead, linear.h): the screen's rows (codes, row_scales) go to
- * the threads as any linear's; `keep` outside 1 .. out - 1 computes the whole head from W. */
+ * the threads as any linear's; `keep` outside 1 .. out - 1 computes the whole head from W. *computed (if
+ * given): the rows computed from W. */
 static Status compute_screened_head(State *st, const float *x, float *y, const float *w, const int8_t *codes,
                                     const float *row_scales, const float *bounds, int keep, int in, int out,
                                     const LentThreads *lent, int *computed) {
     LinearJob exact = {x, y, w, NULL, NULL, NULL, LINEAR_F32, 1, in, out, 0, 0, 0, NULL, 0};
-    *computed = out;
+    if (computed) *computed = out;
     if (keep <= 0 || keep >= out) return compute_linear(st, &exact, lent);
     LinearJob screen = {x, y, codes, NULL, NULL, row_scales, LINEAR_INT8_FLOAT, 1, in, out, 0, 0, 0, NULL, 0};
     if (linear_check(&screen) || linear_check(&exact)) return STATUS_INVALID_ARGUMENT;
@@ -818,9 +819,10 @@ static Status compute_screened_head(State *st, const float *x, float *y, const f
     linear_prepare(&exact, st->vector_linears ? st->linear_scratch : NULL); /* the path the whole head takes */
     exact.rows_per_task = 1;
     const ScreenedHead head = {&exact, bounds, keep};
-    *computed = screened_head_finish(&head, st->screen_heap);
-    if (*computed < 0) return STATUS_INVALID_ARGUMENT;
-    st->stat_screened_rows += (uint64_t)*computed, st->stat_screened_calls++;
+    const int rows = screened_head_finish(&head, st->screen_heap);
+    if (rows < 0) return STATUS_INVALID_ARGUMENT;
+    if (computed) *computed = rows;
+    st->stat_screened_rows += (uint64_t)rows, st->stat_screened_calls++;
     return STATUS_OK;
 }
 
@@ -1229,9 +1231,8 @@ static Status op_run_screened_head(void *user_data, size_t num_inputs, void *con
     if (!nx || !ny || nw != nx * ny || ncodes != nw || nscales != ny || nbounds != ny || nkeep != 1 ||
         nx > INT32_MAX || ny > INT32_MAX)
         return STATUS_INVALID_ARGUMENT;
-    int computed;
     return compute_screened_head(cfg->state, x, y, w, codes, scales, bounds, *(const int32_t *)keep, (int)nx, (int)ny,
-                                 NULL, &computed);
+                                 NULL, NULL);
 }
 
 /* "litekv.rope": x [.., T, H, D], cos and sin [.., T, 1, D] -> [.., T, H, D]. */
@@ -1365,11 +1366,7 @@ int litekv_screened_head_run(AttentionConfig *cfg, const float *x, float *y, con
     if (in <= 0 || out <= 0 || !x || !y || !w || (keep > 0 && keep < out && (!codes || !row_scales || !bounds)))
         return STATUS_INVALID_ARGUMENT;
     if (!cfg->state && op_init(cfg, NULL, 0) != STATUS_OK) return STATUS_RUNTIME_FAILURE;
-    int rows;
-    const Status status = compute_screened_head(cfg->state, x, y, w, codes, row_scales, bounds, keep, in, out, lent,
-                                                &rows);
-    if (computed) *computed = rows;
-    return status;
+    return compute_screened_head(cfg->state, x, y, w, codes, row_scales, bounds, keep, in, out, lent, computed);
 }
 
 /* Whether int8 caches get integer dot products on this CPU (AttentionConfig.int8_dot): 2 with
