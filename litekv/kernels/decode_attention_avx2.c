@@ -209,11 +209,11 @@ KERNEL void dots_words4x3(const int8_t *k, size_t row, const int16_t *q, int d, 
 KERNEL void dots_words(const int8_t *keys, size_t at, size_t row, int rows, const int16_t *q, int d, int G, int S,
                        __m256 *sums) {
     __m256i acc[3][8];
-    size_t k[8];
-    row_starts(k, at, row, rows, S);
     if (G == 3 && S == 4 && rows == 4) {
         dots_words4x3(keys + at, row, q, d, acc);
     } else {
+        size_t k[8];
+        row_starts(k, at, row, rows, S);
 #pragma GCC unroll 3
         for (int g = 0; g < G; g++)
 #pragma GCC unroll 8
