@@ -27,8 +27,8 @@ class ScriptedExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         self.fed: list[int] = []  # every token the model was given, prefill and decode
         self.steps = 0
 
-    def create_kv_cache(self, batch_size: int = 1) -> KVCache:
-        return KVCache.allocate(1, batch_size, 1, 8, self.max_context, "BSHD")
+    def create_kv_cache(self, batch_size: int = 1, huge_pages: bool = True) -> KVCache:
+        return KVCache.allocate(1, batch_size, 1, 8, self.max_context, "BSHD", huge_pages=huge_pages)
 
     def _run_prefill_chunk(self, tokens, chunk, kv_cache, row, adapter) -> None:
         self.fed.extend(int(t) for t in tokens)

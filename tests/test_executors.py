@@ -497,3 +497,34 @@ def test_a_step_reuses_the_logits_memory_the_caller_dropped(backend):
     assert dropped() is second
     third = ex.step([int(np.argmax(second[0]))], cache)  # `second` is still held here
     assert third is not second
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_caches_on_huge_pages_and_on_4kb_pages_give_the_same_steps(backend, monkeypatch):
+    """The tiny model's cache is under a huge page: a smaller threshold puts it in one map as a large
+    model's is, bound in place like any other buffers."""
+    import litekv.kv_cache as kv_cache
+
+    monkeypatch.setattr(kv_cache, "HUGE_PAGE_BYTES", 4096)
+    ex = get(backend)
+    huge, small = ex.create_kv_cache(), ex.create_kv_cache(huge_pages=False)
+    assert huge.huge_pages and not small.huge_pages
+    for cache in (huge, small):
+        ex.prefill(prompt(9), cache)
+    for token in (3, 17, 250):
+        assert relative_error(ex.step([token], huge), ex.step([token], small)) < 1e-6
+    assert len(_maps(huge)) == 1 and len(_maps(small)) == 2 * ex.config.num_layers
+    kept = _maps(huge)
+    del huge  # LiteRT recycles its buffers: of the kind asked for only
+    again = ex.create_kv_cache(huge_pages=False)
+    assert not again.huge_pages and not _maps(again) & kept
+
+
+def _maps(cache) -> set[int]:
+    """The memory a cache's K/V buffers are views of (a map, or a heap array), by identity."""
+    roots = set()
+    for array in cache._s.keys + cache._s.values:
+        while isinstance(array.base, np.ndarray):
+            array = array.base
+        roots.add(id(array if array.base is None else array.base))
+    return roots

@@ -113,8 +113,10 @@ class ExecutorBase(ABC):
 
     # ---- KV caches --------------------------------------------------------------------------------
     @abstractmethod
-    def create_kv_cache(self, batch_size: int = 1) -> KVCache:
-        """A cache this executor can run, of `max_context` entries per sequence."""
+    def create_kv_cache(self, batch_size: int = 1, huge_pages: bool = True) -> KVCache:
+        """A cache this executor can run, of `max_context` entries per sequence. huge_pages: its
+        buffers on 2 MB pages, all resident from the first token; False for 4 KB pages that become
+        resident as tokens reach them (see KVCache.allocate)."""
 
     def _check_cache(self, kv_cache: KVCache) -> None:
         cfg = self.config

@@ -19,7 +19,7 @@ from litekv import litert_capi, native_attention
 from litekv.bundle import HEAD_KEEP_INPUT, SAMPLER_INPUTS, SAMPLER_SIGNATURE, BundleError, Manifest
 from litekv.catalog import cache_dir
 from litekv.errors import AcceleratorUnavailable, MissingDependency
-from litekv.kv_cache import KVCache, aligned_zeros
+from litekv.kv_cache import KVCache, aligned_zeros, on_huge_pages
 from litekv.litert_capi import CompiledTFLiteModel, HostTensorBuffer
 from litekv.resident_pages import FileMappings, ModelFilePages
 from litekv.sampling import CANDIDATES
@@ -135,18 +135,18 @@ class _KVMemoryPool:
         if not storage.pooled:
             storage.pooled = True
             weakref.finalize(storage, self._recycle, storage.keys, storage.values, storage.bindings,
-                             storage.key_scales, storage.value_scales)
+                             storage.key_scales, storage.value_scales, storage.huge_pages)
 
-    def _recycle(self, keys, values, bindings, key_scales, value_scales) -> None:
+    def _recycle(self, keys, values, bindings, key_scales, value_scales, huge_pages) -> None:
         if keys:  # a released cache gave its lists up already
             with self._lock:
-                self._free.setdefault((keys[0].shape, keys[0].dtype, key_scales is not None), []).append(
+                self._free.setdefault((keys[0].shape, keys[0].dtype, key_scales is not None, huge_pages), []).append(
                     (keys, values, bindings, key_scales, value_scales))
 
-    def take(self, shape: tuple, dtype: np.dtype, row_scales: bool) -> tuple | None:
+    def take(self, shape: tuple, dtype: np.dtype, row_scales: bool, huge_pages: bool) -> tuple | None:
         """(keys, values, bindings, key scales, value scales) of a dead cache of this form, or None."""
         with self._lock:
-            free = self._free.get((shape, dtype, row_scales))
+            free = self._free.get((shape, dtype, row_scales, huge_pages))
             return free.pop() if free else None
 
 
@@ -237,16 +237,18 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             return None
         return self._attention_kernel.stats()
 
-    def create_kv_cache(self, batch_size: int = 1) -> KVCache:
+    def create_kv_cache(self, batch_size: int = 1, huge_pages: bool = True) -> KVCache:
         cfg = self.config
         dtype, row_scales = np.dtype(self.manifest.kv_dtype), self.manifest.kv_row_scales
-        recycled = self._pool.take((batch_size, self.max_context, cfg.num_kv_heads, cfg.head_dim), dtype, row_scales)
+        shape = (batch_size, self.max_context, cfg.num_kv_heads, cfg.head_dim)
+        huge = on_huge_pages(cfg.num_layers, shape, dtype, huge_pages)
+        recycled = self._pool.take(shape, dtype, row_scales, huge)
         if recycled is not None:
             keys, values, bindings, key_scales, value_scales = recycled
-            cache = KVCache.from_buffers(keys, values, self.kv_layout, bindings, key_scales, value_scales)
+            cache = KVCache.from_buffers(keys, values, self.kv_layout, bindings, key_scales, value_scales, huge)
         else:
             cache = KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, self.max_context,
-                                     self.kv_layout, self.manifest.kv_dtype, row_scales)
+                                     self.kv_layout, self.manifest.kv_dtype, row_scales, huge_pages)
         self._pool.adopt(cache)
         return cache
 

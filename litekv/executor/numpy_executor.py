@@ -25,9 +25,10 @@ class NumpyExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         super().__init__(config, max_context, (PREFILL_CHUNK,), lora_rank, LORA_TARGETS_ALL)
         self.model = ReferenceModel(config, weights)
 
-    def create_kv_cache(self, batch_size: int = 1) -> KVCache:
+    def create_kv_cache(self, batch_size: int = 1, huge_pages: bool = True) -> KVCache:
         cfg = self.config
-        return KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, self.max_context, "BSHD")
+        return KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, self.max_context, "BSHD",
+                                huge_pages=huge_pages)
 
     def _forward(self, tokens: np.ndarray, kv_cache: KVCache, rows: slice, adapter: LoraAdapter | None) -> np.ndarray:
         layers = range(kv_cache.num_layers)

@@ -140,10 +140,10 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         return kernel.onnx_session(str(path), options, self._providers)
 
     # ---- caches and bindings -------------------------------------------------------------------
-    def create_kv_cache(self, batch_size: int = 1) -> KVCache:
+    def create_kv_cache(self, batch_size: int = 1, huge_pages: bool = True) -> KVCache:
         cfg = self.config
         return KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, self.max_context,
-                                self.kv_layout, self.manifest.kv_dtype)
+                                self.kv_layout, self.manifest.kv_dtype, huge_pages=huge_pages)
 
     def _binding(self, kv_cache: KVCache, row: int, session) -> "_RowBinding":
         """IO binding of one batch row for one graph, with its K/V bound in place (memoized on the cache)."""
