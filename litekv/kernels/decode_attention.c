@@ -109,10 +109,21 @@ typedef struct {
 
 enum { TASK_DECODE, TASK_PREFILL, TASK_LINEAR };
 
+/* Each part's sums, maxima and numerators start a page (the sums and numerators) or a cache line
+ * (the maxima) of their own: the two threads write their parts at once, and parts packed end to end
+ * shared lines, which bounced between the cores. An int4 SmolLM2 step at 2,048 tokens took 0.975x
+ * the time (LiteRT; ONNX 0.986x), the helper's chunk the most (bench/PERFORMANCE.md, thirty-fourth
+ * round). */
+#define PART_ALIGN_BYTES 4096
+#define LINE_FLOATS 16
+
+static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
 typedef struct {
     float *scores;         /* [heads][max_slots] */
-    float *acc, *max, *sum; /* [max_parts][heads * D], [max_parts][heads] x 2 */
-    int16_t *numerators;   /* [max_parts][heads][NUMERATOR_STRIDE], for the int8 dot-product path */
+    float *acc, *max, *sum; /* [max_parts][acc_stride], [max_parts][max_stride] x 2 */
+    int16_t *numerators;   /* [max_parts][numerator_part]: [heads][NUMERATOR_STRIDE] each, for the int8 dot-product path */
+    size_t acc_stride, max_stride, numerator_part; /* a part's, rounded up (PART_ALIGN_BYTES, LINE_FLOATS) */
     int8_t *digit_bytes;   /* [2][heads * D] behind `digits` */
     Digits digits;
     Part *parts;           /* [max_parts] */
@@ -621,9 +632,9 @@ static void compute(State *st, Job *job, int lo, int hi, float *out) {
                                  : (lo + (i + 1) * chunk + KEY_BLOCK_SLOTS / 2) / KEY_BLOCK_SLOTS * KEY_BLOCK_SLOTS;
         if (end <= start) continue;
         end = end > hi + 1 ? hi + 1 : end;
-        st->parts[parts] = (Part){start, end - 1, start - lo, st->acc + parts * width,
-                                  st->max + (size_t)parts * job->heads, st->sum + (size_t)parts * job->heads,
-                                  st->numerators ? st->numerators + (size_t)parts * job->heads * NUMERATOR_STRIDE
+        st->parts[parts] = (Part){start, end - 1, start - lo, st->acc + parts * st->acc_stride,
+                                  st->max + parts * st->max_stride, st->sum + parts * st->max_stride,
+                                  st->numerators ? st->numerators + parts * st->numerator_part
                                                  : NULL,
                                   NUMERATOR_STRIDE};
         parts++, start = end;
@@ -746,14 +757,17 @@ static State *state_create(int heads, int head_dim, int max_slots, int threads, 
     (void)int8_dot;
 #endif
     const size_t parts = (size_t)st->max_parts;
-    st->scores = malloc(sizeof(float) * (size_t)heads * (size_t)max_slots);
-    st->acc = malloc(sizeof(float) * parts * width);
-    st->max = malloc(sizeof(float) * 2 * parts * (size_t)heads);
+    st->acc_stride = round_up(width, PART_ALIGN_BYTES / sizeof(float));
+    st->max_stride = round_up((size_t)heads, LINE_FLOATS);
+    st->numerator_part = round_up((size_t)heads * NUMERATOR_STRIDE, PART_ALIGN_BYTES / sizeof(int16_t));
+    st->scores = aligned_alloc(64, round_up(sizeof(float) * (size_t)heads * (size_t)max_slots, 64));
+    st->acc = aligned_alloc(PART_ALIGN_BYTES, sizeof(float) * parts * st->acc_stride);
+    st->max = aligned_alloc(64, sizeof(float) * 2 * parts * st->max_stride);
     st->parts = malloc(sizeof(Part) * parts);
     st->zero_mask = calloc((size_t)max_slots, sizeof(float));
     st->rotated = malloc(sizeof(float) * 2 * width);
     if (st->int8_dot) {
-        st->numerators = malloc(sizeof(int16_t) * parts * (size_t)heads * NUMERATOR_STRIDE);
+        st->numerators = aligned_alloc(PART_ALIGN_BYTES, sizeof(int16_t) * parts * st->numerator_part);
         st->digit_bytes = malloc(2 * width + (sizeof(int32_t) + sizeof(float)) * (size_t)heads);
     }
     if (!st->scores || !st->acc || !st->max || !st->parts || !st->zero_mask || !st->rotated ||
@@ -763,7 +777,7 @@ static State *state_create(int heads, int head_dim, int max_slots, int threads, 
         free(st);
         return NULL;
     }
-    st->sum = st->max + parts * heads;
+    st->sum = st->max + parts * st->max_stride;
     if (st->int8_dot) {
         int8_t *bytes = st->digit_bytes;
         st->digits = (Digits){bytes, bytes + width, (int32_t *)(void *)(bytes + 2 * width),
