@@ -10,6 +10,9 @@
 /* Helpers are inlined into the ISA-specific functions, so each gets its own vector code. */
 #define INLINE static inline __attribute__((always_inline))
 
+/* n rounded up to a multiple of `to` */
+static inline size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
 /* Built where it runs, but possibly for a wider family (a wheel): pick AVX-512 or AVX2 at load. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))

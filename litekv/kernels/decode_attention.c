@@ -117,8 +117,6 @@ enum { TASK_DECODE, TASK_PREFILL, TASK_LINEAR };
 #define PART_ALIGN_BYTES 4096
 #define LINE_FLOATS 16
 
-static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
-
 typedef struct {
     float *scores;         /* [heads][max_slots] */
     float *acc, *max, *sum; /* [max_parts][acc_stride], [max_parts][max_stride] x 2 */
@@ -707,7 +705,7 @@ static Status compute_prefill(State *st, const PrefillJob *job) {
 static Status compute_linear(State *st, LinearJob *job, const LentThreads *lent) {
     const size_t bytes = linear_scratch_bytes(job);
     if (bytes > st->linear_scratch_bytes) { /* once per model: the widest input and the most tokens */
-        void *grown = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        void *grown = aligned_alloc(64, round_up(bytes, 64));
         if (!grown) return STATUS_RUNTIME_FAILURE;
         free(st->linear_scratch);
         st->linear_scratch = grown, st->linear_scratch_bytes = bytes;

@@ -31,8 +31,6 @@
 #define TASK_MAX_BYTES 131072
 #define MIN_TASKS 8
 
-static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
-
 int linear_check(const LinearJob *job) {
     if (job->tokens <= 0 || job->in <= 0 || job->out <= 0 || !job->x || !job->y || !job->codes) return 1;
     if (job->format == LINEAR_F32) return 0;

@@ -41,8 +41,6 @@
 _Static_assert(ROW_GROUP % 4 == 0, "ROW_GROUP must be a multiple of 4");
 #define BLOCK 16     /* slots per block: one vector of scores */
 
-INLINE int round_up(int x, int m) { return (x + m - 1) / m * m; }
-
 static int tile_tokens(const PrefillJob *job) {
     const int group = job->heads / job->kv_heads;
     return group >= TILE_ROWS ? 1 : TILE_ROWS / group;
@@ -53,13 +51,13 @@ int prefill_tasks(const PrefillJob *job) {
     return (job->tokens + tq - 1) / tq;
 }
 
-static size_t max_rows(int heads) { return (size_t)round_up(heads > TILE_ROWS ? heads : TILE_ROWS, ROW_GROUP); }
+static size_t max_rows(int heads) { return round_up(heads > TILE_ROWS ? heads : TILE_ROWS, ROW_GROUP); }
 
 size_t prefill_scratch_floats(int heads, int head_dim, int max_slots) {
     const size_t rows = max_rows(heads);
     /* query rows, value sums, scores, row sums (whole vectors: what follows stays aligned), a
      * transposed key block, a widened value block */
-    return rows * (size_t)head_dim * 2 + rows * (size_t)round_up(max_slots, BLOCK) + (size_t)round_up((int)rows, 16) +
+    return rows * (size_t)head_dim * 2 + rows * round_up(max_slots, BLOCK) + round_up(rows, 16) +
            2 * (size_t)BLOCK * (size_t)head_dim;
 }
 
@@ -171,7 +169,7 @@ INLINE float row_numerators(const PrefillJob *job, const Tile *t, int r, float *
 #define DEFINE_TASK(NAME, C)                                                                             \
     INLINE void NAME(const PrefillJob *job, const Tile *t, float *scratch) {                             \
         enum { D = 16 * C, PV_ROWS = C >= 16 ? 1 : 16 / C };                                            \
-        const int rows = round_up(t->rows, ROW_GROUP), n = t->hi - t->lo + 1, stride = round_up(n, BLOCK); \
+        const int rows = (int)round_up(t->rows, ROW_GROUP), n = t->hi - t->lo + 1, stride = (int)round_up(n, BLOCK); \
         const int hd = job->heads * D;                                                                   \
         float *q = scratch, *acc = q + (size_t)rows * D, *scores = acc + (size_t)rows * D;              \
         float *sums = scores + (size_t)rows * stride;                                                   \
