@@ -390,6 +390,9 @@ def _writable_parent(output: Path) -> Path:
         raise ConfigError(f"cannot write {output}: the directory {parent} does not exist.")
     if not os.access(parent, os.W_OK):
         raise ConfigError(f"cannot write {output}: {parent} is not writable; choose another output directory.")
+    if output.exists() and not output.is_dir():
+        raise ConfigError(f"{output} exists and is not a directory; refusing to overwrite it: choose another "
+                          "output path.")
     if output.exists() and not (output / MANIFEST).exists() and any(output.iterdir()):
         raise ConfigError(f"{output} exists and is not a litekv bundle; refusing to overwrite it.")
     return parent
@@ -399,8 +402,9 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions = Co
             show_progress: bool = False) -> Path:
     """Convert a GGUF file or Hugging Face directory into a bundle directory at `output`.
 
-    The bundle is assembled in a temporary directory beside `output` and moved into place only
-    when complete, so a failure never leaves a half-written bundle.
+    The bundle is assembled in a temporary directory beside `output`, flushed to disk and moved into
+    place only when complete, so a failure never leaves a half-written bundle, and an existing bundle
+    at `output` stays until the new one has replaced it.
     """
     output = Path(output)
     parent = _writable_parent(output)
@@ -422,14 +426,72 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions = Co
         manifest = _finish_manifest(manifest, staging, {"path": str(source), "format": ckpt.format,
                                                         "convert_seconds": round(elapsed, 2)})
         write_atomic(staging / MANIFEST, manifest.to_json())
-        if output.exists():
-            shutil.rmtree(output)
-        os.replace(staging, output)
+        _fsync_tree(staging)
+        _swap_into_place(staging, output, parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     bar.done(f"wrote {output} in {time.perf_counter() - started:.1f}s")
     return output
+
+
+def _fsync_tree(directory: Path) -> None:
+    """Flush every file under `directory`, then the directories, whichever writer made them
+    (onnx.save_model does not fsync), so the rename that publishes the bundle publishes data."""
+    for root, _dirs, files in os.walk(directory, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(root))
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _swap_into_place(staging: Path, output: Path, parent: Path) -> None:
+    """Move the finished bundle `staging` to `output`. An existing bundle is renamed aside first and
+    deleted only once the new one is in place, and put back if that fails: a crash leaves one of them,
+    never neither (between the two renames, the old one under its aside name .<name>.old-*)."""
+    aside = _move_aside(output, parent) if output.exists() else None
+    try:
+        os.replace(staging, output)
+    except BaseException as e:
+        if aside is not None:
+            try:
+                os.replace(aside, output)
+            except OSError as restore:
+                raise ConfigError(f"could not move the new bundle into {output} ({e}), nor the previous one back "
+                                  f"({restore.strerror}); the previous one is intact at {aside}: rename it to "
+                                  f"{output.name}.") from e
+        if isinstance(e, OSError):
+            kept = "the previous bundle there is unchanged" if aside is not None else "nothing was written"
+            raise ConfigError(f"could not move the new bundle into {output} ({e.strerror or e}); {kept}. Check "
+                              f"the permissions and free space of {parent} and convert again.") from e
+        raise
+    try:
+        _fsync_dir(parent)
+    finally:
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+
+
+def _move_aside(output: Path, parent: Path) -> Path:
+    aside = Path(tempfile.mkdtemp(dir=parent, prefix=f".{output.name}.old-"))
+    try:
+        os.replace(output, aside)  # onto the empty directory that reserved the name
+    except OSError as e:
+        aside.rmdir()
+        raise ConfigError(f"could not replace {output}: renaming it aside failed ({e.strerror or e}); it is "
+                          f"unchanged. Check the permissions of {parent} and convert again.") from e
+    return aside
 
 
 def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Manifest:

@@ -7,6 +7,7 @@ checked against the file before a tensor is touched, so a damaged file gives a c
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 from typing import Iterator
@@ -27,6 +28,14 @@ class SafetensorsFile:
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        header, header_len, size = self._read_header()
+        self._data_start = 8 + header_len
+        self._data_size = size - self._data_start
+        self._entries = {name: self._check(name, meta) for name, meta in header.items()}
+        self._check_overlaps()
+        self._mmap: np.memmap | None = None
+
+    def _read_header(self) -> tuple[dict, int, int]:
         try:
             size = self.path.stat().st_size
             with open(self.path, "rb") as f:
@@ -39,37 +48,56 @@ class SafetensorsFile:
                                           "the file is truncated or not a safetensors file.")
                 header = json.loads(f.read(header_len))
         except OSError as e:
-            raise CheckpointError(f"{self.path}: cannot read the file ({e.strerror}).") from e
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{self.path}: cannot read the file ({e.strerror or e}).") from e
+        except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise CheckpointError(f"{self.path}: safetensors header is not valid JSON; the file is damaged.") from e
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{self.path}: safetensors header is a JSON {type(header).__name__}, not an object "
+                                  "of tensors; the file is damaged or not a safetensors file.")
         header.pop("__metadata__", None)
-        self._data_start = 8 + header_len
-        self._data_size = size - self._data_start
-        self._entries = {name: self._check(name, meta) for name, meta in header.items()}
-        self._mmap: np.memmap | None = None
+        return header, header_len, size
 
-    def _check(self, name: str, meta: dict) -> tuple[str, tuple[int, ...], int, int]:
-        try:
-            dtype, shape, (begin, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{self.path}: header entry for {name!r} is malformed.") from e
-        if dtype not in _DTYPES:
-            raise UnsupportedTensorType(f"{self.path}: tensor {name!r} has dtype {dtype}, which litekv cannot read.")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[dtype]).itemsize
+    def _check(self, name: str, meta: object) -> tuple[str, tuple[int, ...], int, int]:
+        where = f"{self.path}: header entry for tensor {name!r}"
+        if not isinstance(meta, dict) or not {"dtype", "shape", "data_offsets"} <= meta.keys():
+            raise CheckpointError(f"{where} is malformed (it needs dtype, shape and data_offsets); "
+                                  "the file is damaged.")
+        dtype, shape, offsets = meta["dtype"], meta["shape"], meta["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
+            raise UnsupportedTensorType(f"{self.path}: tensor {name!r} has dtype {dtype!r}, which litekv cannot "
+                                        f"read (known: {', '.join(_DTYPES)}).")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers; "
+                                  "the file is damaged.")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))):
+            raise CheckpointError(f"{where}: data_offsets {offsets!r} is not two integers; the file is damaged.")
+        begin, end = offsets
+        nbytes = math.prod(shape) * np.dtype(_DTYPES[dtype]).itemsize  # Python ints: no overflow
         if not (0 <= begin <= end <= self._data_size) or end - begin != nbytes:
             raise CheckpointError(f"{self.path}: tensor {name!r} points outside the file or has the wrong size; "
                                   "the file is truncated or damaged.")
-        return dtype, shape, begin, end
+        return dtype, tuple(shape), begin, end
+
+    def _check_overlaps(self) -> None:
+        spans = sorted((begin, end, name) for name, (_, _, begin, end) in self._entries.items() if end > begin)
+        for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+            if begin < end:
+                raise CheckpointError(f"{self.path}: tensors {first!r} and {second!r} share bytes; "
+                                      "the file is damaged.")
 
     def names(self) -> list[str]:
         return list(self._entries)
 
     def read(self, name: str) -> np.ndarray:
         dtype, shape, begin, end = self._entries[name]
-        if self._mmap is None:
-            self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
-        raw = self._mmap[self._data_start + begin:self._data_start + end]
-        array = raw.view(_DTYPES[dtype]).reshape(shape)
+        try:
+            if self._mmap is None:
+                self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
+            raw = self._mmap[self._data_start + begin:self._data_start + end]
+            array = raw.view(_DTYPES[dtype]).reshape(shape)
+        except (OSError, ValueError) as e:  # the file shrank or vanished after its header was checked
+            raise CheckpointError(f"{self.path}: cannot read tensor {name!r} ({e}); the file changed while "
+                                  "it was open: make sure nothing else writes it and try again.") from e
         if dtype == "BF16":  # bf16 is the top half of a float32
             return (array.astype(np.uint32) << 16).view(np.float32)
         if array.dtype.kind == "f":
@@ -79,3 +107,7 @@ class SafetensorsFile:
     def items(self) -> Iterator[tuple[str, np.ndarray]]:
         for name in self._entries:
             yield name, self.read(name)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not a size

@@ -1,19 +1,20 @@
 """LoRA adapters in Hugging Face PEFT format, prepared as the converted model's LoRA inputs.
 
-An adapter directory holds `adapter_config.json` (r, lora_alpha, target_modules) and
+An adapter directory holds `adapter_config.json` (r, lora_alpha, rank_pattern, alpha_pattern) and
 `adapter_model.safetensors`. Each (layer, target) becomes A [rank, in] and B [out, rank] at the
-model's converted rank: lower ranks are zero-padded and alpha / r is folded into B.
+model's converted rank: lower ranks are zero-padded and the module's alpha / r is folded into B.
 """
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from litekv.errors import LitekvError
+from litekv.errors import CheckpointError, LitekvError
 from litekv.models.config import ModelConfig
 from litekv.safetensors_reader import SafetensorsFile
 
@@ -43,55 +44,147 @@ def projection_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
 
 def load_peft_adapter(path: str | Path, cfg: ModelConfig, model_rank: int, model_targets: tuple[str, ...],
                       name: str | None = None) -> LoraAdapter:
+    """Read and validate a PEFT adapter directory; nothing is kept from an adapter that fails."""
     path = Path(path)
-    config_path, weights_path = path / "adapter_config.json", path / "adapter_model.safetensors"
-    try:
-        config = json.loads(config_path.read_text())
-    except FileNotFoundError as e:
-        raise LoraError(f"{config_path} is missing; a PEFT adapter directory needs adapter_config.json.") from e
-    except (OSError, json.JSONDecodeError) as e:
-        raise LoraError(f"{config_path} cannot be read as JSON ({e}).") from e
+    config = _read_config(path / "adapter_config.json")
+    weights_path = path / "adapter_model.safetensors"
     if not weights_path.exists():
         raise LoraError(f"{weights_path} is missing; save the adapter with safe_serialization=True.")
-    rank, alpha = int(config.get("r", 0)), float(config.get("lora_alpha", config.get("r", 0)))
-    if rank < 1:
-        raise LoraError(f"{config_path}: r must be a positive integer.")
-    if rank > model_rank:
-        raise LoraError(f"{path}: adapter rank {rank} is higher than the model's LoRA rank {model_rank}; "
-                        f"reconvert the model with --lora-rank {rank} or more.")
-    if config.get("use_dora") or config.get("use_rslora"):
-        raise LoraError(f"{path}: DoRA and rsLoRA adapters are not supported.")
-    scale = np.float32(alpha / rank)
-    tensors = SafetensorsFile(weights_path)
-    found: dict[tuple[int, str], dict[str, np.ndarray]] = {}
-    for key in tensors.names():
-        m = _KEY.fullmatch(key)
-        if not m:
-            raise LoraError(f"{weights_path}: tensor {key} is not a LoRA factor of q/k/v/o projections; "
-                            f"this model's LoRA inputs cover {', '.join(model_targets)}.")
-        layer, target, which = int(m.group(1)), _MODULES[m.group(2)], m.group(3)
-        if target not in model_targets:
-            raise LoraError(f"{path}: the adapter targets {m.group(2)}, but the model was converted with LoRA "
-                            f"inputs only on {', '.join(model_targets)}.")
-        if layer >= cfg.num_layers:
-            raise LoraError(f"{path}: layer {layer} does not exist (the model has {cfg.num_layers}).")
-        found.setdefault((layer, target), {})[which] = tensors.read(key)
-    factors = {}
-    for (layer, target), pair in found.items():
+    factors, ranks = {}, []
+    for (layer, target), (module, pair) in _read_factors(path, weights_path, cfg, model_targets).items():
+        rank, scale = config.rank_and_scale(module)
+        if rank > model_rank:
+            raise LoraError(f"{path}: adapter rank {rank} is higher than the model's LoRA rank {model_rank}; "
+                            f"reconvert the model with --lora-rank {rank} or more.")
         if set(pair) != {"A", "B"}:
             raise LoraError(f"{path}: layer {layer} {target} has only lora_{''.join(pair)}.")
         out_dim, in_dim = projection_shape(cfg, target)
         a, b = pair["A"], pair["B"]
         if a.shape != (rank, in_dim) or b.shape != (out_dim, rank):
             raise LoraError(f"{path}: layer {layer} {target} has A {a.shape} and B {b.shape}; expected "
-                            f"A {(rank, in_dim)} and B {(out_dim, rank)}.")
+                            f"A {(rank, in_dim)} and B {(out_dim, rank)} (rank {rank} from {config.path.name}).")
         padded_a = np.zeros((model_rank, in_dim), np.float32)
         padded_b = np.zeros((out_dim, model_rank), np.float32)
-        padded_a[:rank], padded_b[:, :rank] = a, b * scale
+        padded_a[:rank], padded_b[:, :rank] = a, b * np.float32(scale)
         factors[(layer, target)] = (padded_a, padded_b)
+        ranks.append(rank)
     if not factors:
         raise LoraError(f"{weights_path}: no LoRA factors found.")
-    return LoraAdapter(name or path.name, rank, factors)
+    return LoraAdapter(name or path.name, max(ranks), factors)
+
+
+# PEFT's LoraConfig defaults, which apply when adapter_config.json leaves a field out.
+_PEFT_DEFAULT_R, _PEFT_DEFAULT_ALPHA = 8, 8
+_PEFT_PREFIX = "base_model.model."  # PeftModel's prefix on the base model's module names
+
+
+@dataclass(frozen=True)
+class _PeftConfig:
+    """What adapter_config.json says about each module's rank and scale."""
+    path: Path
+    r: int
+    alpha: float
+    rank_pattern: tuple[tuple[re.Pattern, int], ...]
+    alpha_pattern: tuple[tuple[re.Pattern, float], ...]
+
+    def rank_and_scale(self, module: str) -> tuple[int, float]:
+        """(rank, alpha / rank) of a module such as "model.layers.0.self_attn.q_proj"."""
+        rank = _first_match(self.rank_pattern, module, self.r)
+        return rank, _first_match(self.alpha_pattern, module, self.alpha) / rank
+
+
+def _first_match(patterns, module: str, default):
+    # PEFT (LoraModel._create_and_replace, utils.other.get_pattern_key): the first key K, in the
+    # file's order, for which re.match(rf"(.*\.)?({K})$", module) succeeds overrides the default.
+    return next((value for regex, value in patterns if regex.match(module)), default)
+
+
+def _read_config(config_path: Path) -> _PeftConfig:
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise LoraError(f"{config_path} is missing; a PEFT adapter directory needs adapter_config.json.") from e
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON or bad UTF-8
+        raise LoraError(f"{config_path} cannot be read as JSON ({e}).") from e
+    if not isinstance(config, dict):
+        raise LoraError(f"{config_path} holds a JSON {type(config).__name__}, not an object; "
+                        "save the adapter with PEFT's save_pretrained.")
+    peft_type = config.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise LoraError(f"{config_path}: peft_type is {peft_type!r}; litekv loads only LORA adapters.")
+    if config.get("use_dora") or config.get("use_rslora"):
+        raise LoraError(f"{config_path.parent}: DoRA and rsLoRA adapters are not supported.")
+    return _PeftConfig(config_path, _rank(config_path, "r", config.get("r", _PEFT_DEFAULT_R)),
+                       _alpha(config_path, "lora_alpha", config.get("lora_alpha", _PEFT_DEFAULT_ALPHA)),
+                       _patterns(config_path, "rank_pattern", config.get("rank_pattern"), _rank),
+                       _patterns(config_path, "alpha_pattern", config.get("alpha_pattern"), _alpha))
+
+
+def _rank(config_path: Path, field: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise LoraError(f"{config_path}: {field} must be a positive integer, got {value!r}; "
+                        "fix the file or save the adapter again with PEFT.")
+    return value
+
+
+def _alpha(config_path: Path, field: str, value: object) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise LoraError(f"{config_path}: {field} must be a finite number, got {value!r}; "
+                        "fix the file or save the adapter again with PEFT.")
+    return float(value)
+
+
+def _patterns(config_path: Path, field: str, patterns: object, check) -> tuple:
+    if patterns is None:
+        return ()
+    if not isinstance(patterns, dict):
+        raise LoraError(f"{config_path}: {field} must be an object mapping module-name patterns to values, "
+                        f"got {patterns!r}.")
+    compiled = []
+    for key, value in patterns.items():
+        try:
+            regex = re.compile(rf"(.*\.)?({key})$")
+        except re.error as e:
+            raise LoraError(f"{config_path}: {field} key {key!r} is not a valid regular expression ({e}).") from e
+        compiled.append((regex, check(config_path, f"{field}[{key!r}]", value)))
+    return tuple(compiled)
+
+
+def _read_factors(path: Path, weights_path: Path, cfg: ModelConfig, model_targets: tuple[str, ...]
+                  ) -> dict[tuple[int, str], tuple[str, dict[str, np.ndarray]]]:
+    """(layer, target) -> (PEFT module name, {"A": A, "B": B}) as stored, float32."""
+    try:
+        tensors = SafetensorsFile(weights_path)
+        found: dict[tuple[int, str], tuple[str, dict[str, np.ndarray]]] = {}
+        for key in tensors.names():
+            m = _KEY.fullmatch(key)
+            if not m:
+                raise LoraError(f"{weights_path}: tensor {key} is not a LoRA factor of q/k/v/o projections; "
+                                f"this model's LoRA inputs cover {', '.join(model_targets)}.")
+            layer, target, which = int(m.group(1)), _MODULES[m.group(2)], m.group(3)
+            if target not in model_targets:
+                raise LoraError(f"{path}: the adapter targets {m.group(2)}, but the model was converted with LoRA "
+                                f"inputs only on {', '.join(model_targets)}.")
+            if layer >= cfg.num_layers:
+                raise LoraError(f"{path}: layer {layer} does not exist (the model has {cfg.num_layers}).")
+            module = key[:-len(".lora_A.weight")].removeprefix(_PEFT_PREFIX)
+            pair = found.setdefault((layer, target), (module, {}))[1]
+            if which in pair:
+                raise LoraError(f"{weights_path}: layer {layer} {target} has more than one lora_{which} ({key}).")
+            pair[which] = _factor(weights_path, key, tensors)
+    except CheckpointError as e:
+        raise LoraError(f"{e} Save the adapter again with PEFT (safe_serialization=True).") from e
+    return found
+
+
+def _factor(weights_path: Path, key: str, tensors: SafetensorsFile) -> np.ndarray:
+    array = tensors.read(key)
+    if array.dtype != np.float32:  # the reader widens every float dtype to float32
+        raise LoraError(f"{weights_path}: tensor {key} has integer or boolean values; LoRA factors are floats.")
+    if not np.isfinite(array).all():
+        raise LoraError(f"{weights_path}: tensor {key} holds NaN or infinite values; the adapter is damaged.")
+    return array
+
 
 LORA_TARGETS_ALL = tuple(_MODULES.values())
 
