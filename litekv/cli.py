@@ -52,6 +52,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _chat(args: argparse.Namespace) -> int:
     """Interactive chat. Ctrl-C stops the current answer; /save PATH, /load PATH, /quit."""
+    from litekv.engine import Conversation
+
     engine = _engine(args)
     chat = engine.create_conversation(system=args.system, sampler=_sampler(args))
     eos = engine.tokenizer.eos_token or "\0"
@@ -74,8 +76,8 @@ def _chat(args: argparse.Namespace) -> int:
                     chat.session.save(path)
                     print(f"[saved {len(chat.session.tokens)} tokens to {path}]", flush=True)
                 else:
-                    chat.session = engine.load_session(path)
-                    chat.messages = []  # the restored tokens carry the history
+                    # The restored tokens are the history: the conversation continues after them.
+                    chat = Conversation(engine.load_session(path))
                     print(f"[loaded {len(chat.session.tokens)} tokens from {path}]", flush=True)
             except LitekvError as e:
                 print(f"[error: {e}]", flush=True)
@@ -158,9 +160,20 @@ def _convert(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (argparse reports the message and exits with 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="a converted bundle (default: SmolLM2-135M-Instruct, LiteRT int8)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=_positive_int, default=2)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -170,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a reply to a prompt")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", type=int, default=256)
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=256)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     _model_args(gen)
     gen.set_defaults(run=_generate)
@@ -192,8 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--quantize", choices=("fp32", "int8", "int4"), default="int8")
     pull.set_defaults(run=_pull)
     bench = sub.add_parser("bench", help="quick prefill and decode speed of a bundle")
-    bench.add_argument("--prompt-tokens", type=int, default=256)
-    bench.add_argument("--new-tokens", type=int, default=64)
+    bench.add_argument("--prompt-tokens", type=_positive_int, default=256)
+    bench.add_argument("--new-tokens", type=_positive_int, default=64)
     _model_args(bench)
     bench.set_defaults(run=_bench)
     return parser

@@ -5,16 +5,17 @@ a finish reason), which runs one `Session._next_token` per step on the executor.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from litekv.errors import Cancelled, ConfigError, ContextFull
+from litekv.errors import Cancelled, ChatTemplateError, ConfigError, ContextFull
 from litekv.executor import SamplerParams
 from litekv.kv_cache import KVCache
 from litekv.sampling import sample_token
@@ -35,9 +36,16 @@ class SamplerConfig:
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "repetition_penalty"):  # models compute in float32
-            object.__setattr__(self, name, float(np.float32(getattr(self, name))))
-        if self.repetition_penalty <= 0:
-            raise ConfigError("repetition_penalty must be positive (1.0 disables it).")
+            value = getattr(self, name)
+            try:
+                with np.errstate(over="ignore"):  # a value beyond float32 becomes inf, refused below
+                    object.__setattr__(self, name, float(np.float32(value)))
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"sampler {name} must be a number, got {value!r}.") from e
+        # Written so that NaN fails too (every comparison with NaN is False).
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ConfigError(f"repetition_penalty must be a finite number above 0, got {self.repetition_penalty} "
+                              "(1.0 disables it).")
         SamplerParams(self.temperature, self.top_k, self.top_p, self.seed)  # validates the rest
 
     @property
@@ -132,15 +140,19 @@ class Engine:
         """Restore a session saved with `Session.save`; validated before any state is built."""
         from litekv.session_file import read_session
 
-        state = read_session(path, expected_fingerprint=self.fingerprint)
-        s = state.sampler
-        session = Session(self, SamplerConfig(s.temperature, s.top_k, s.top_p, s.repetition_penalty, s.seed),
-                          state.lora_name if state.lora_name in self._adapters else None)
+        state = read_session(path, expected_fingerprint=self.fingerprint, vocab_size=self.config.vocab_size)
         if state.lora_name and state.lora_name not in self._adapters:
             raise ConfigError(f"the session used LoRA adapter {state.lora_name!r}; load it with engine.load_lora "
                               "before loading the session.")
+        s = state.sampler
+        session = Session(self, SamplerConfig(s.temperature, s.top_k, s.top_p, s.repetition_penalty, s.seed),
+                          state.lora_name)
         session.kv_cache.load(state.kv_cache)
-        session._tokens = [int(t) for t in state.tokens]
+        session._tokens = list(state.tokens)
+        if session._tokens and session.kv_cache.num_tokens == len(session._tokens):
+            # The file may hold the last token in the cache too; a session keeps it pending (fed by the
+            # next step), so forget its row rather than feed it twice.
+            session.kv_cache.set_num_tokens(len(session._tokens) - 1)
         return session
 
 
@@ -160,6 +172,7 @@ class Session:
         self.kv_cache: KVCache = engine.executor.create_kv_cache()
         self._cancel = threading.Event()
         self._running = False
+        self._seen: SeenTokens | None = None  # the repetition penalty's ids, made when first needed
 
     # ---- state ------------------------------------------------------------------------------------
     @property
@@ -178,10 +191,13 @@ class Session:
 
     def rewind(self, num_tokens: int) -> None:
         """Forget the last `num_tokens` tokens (their KV rows are simply no longer counted)."""
+        if not _is_int(num_tokens):
+            raise ConfigError(f"rewind takes a whole number of tokens, got {num_tokens!r}.")
         if not 0 <= num_tokens <= len(self._tokens):
             raise ConfigError(f"cannot rewind {num_tokens} tokens of {len(self._tokens)}.")
         del self._tokens[len(self._tokens) - num_tokens:]
         self.kv_cache.set_num_tokens(max(len(self._tokens) - 1, 0))
+        self._seen = None  # ids seen only in the forgotten tokens must stop counting
 
     def cancel(self) -> None:
         """Stop the running prefill or generate of this session (safe from another thread)."""
@@ -203,8 +219,29 @@ class Session:
     def _ids(self, text_or_ids: str | Sequence[int]) -> list[int]:
         if isinstance(text_or_ids, str):
             tok = self.engine.tokenizer
-            return tok.encode(text_or_ids, add_special_tokens=not self._tokens)
-        return [int(t) for t in text_or_ids]
+            return self._checked_ids(tok.encode(text_or_ids, add_special_tokens=not self._tokens))
+        return self._checked_ids(text_or_ids)
+
+    def _checked_ids(self, ids: Iterable[int] | np.ndarray) -> list[int]:
+        """`ids` as ints, each checked to lie in the vocabulary: the last one is only fed a step later,
+        so the executor's own check would come too late to leave the session unchanged."""
+        vocab = self.engine.config.vocab_size
+        if isinstance(ids, np.ndarray) and ids.ndim == 1 and np.issubdtype(ids.dtype, np.integer):
+            bad = ids[(ids < 0) | (ids >= vocab)]
+            if bad.size:
+                raise ConfigError(f"token id {int(bad[0])} is outside the vocabulary of {vocab} ids (0..{vocab - 1}).")
+            return ids.tolist()
+        try:
+            items = list(ids)
+        except TypeError as e:
+            raise ConfigError(f"expected text (a str) or a sequence of token ids, got {type(ids).__name__}.") from e
+        for t in items:
+            if not _is_int(t):
+                raise ConfigError(f"token ids must be ints, got {t!r}; pass text as one str, or encode it with "
+                                  "engine.tokenizer.encode.")
+            if not 0 <= t < vocab:
+                raise ConfigError(f"token id {t} is outside the vocabulary of {vocab} ids (0..{vocab - 1}).")
+        return [int(t) for t in items]
 
     def prefill(self, text_or_ids: str | Sequence[int]) -> int:
         """Append a prompt to the context; returns how many tokens were added."""
@@ -235,30 +272,52 @@ class Session:
             token = int(executor.sample_tokens(1, [pending], self.kv_cache, self._lora_id, sampler.params)[0, 0])
         else:
             position = self.kv_cache.num_tokens
+            # Ours to change: step returns an array no one else holds (ExternalSamplerExecutor._decode).
             logits = executor.step([pending], self.kv_cache, self._lora_id)[0]
-            logits = apply_repetition_penalty(logits, self._tokens, sampler.repetition_penalty)
+            self._seen_tokens().penalize(logits, sampler.repetition_penalty)
             params = sampler.params
             token = (int(np.argmax(logits)) if params.greedy else
                      sample_token(logits, params.temperature, params.top_k, params.top_p, params.seed_for(position, 0)))
         self._tokens.append(token)
         return token
 
-    def generate(self, max_new_tokens: int = 256, stop: Sequence[str] | None = None,
-                 ignore_eos: bool = False) -> Iterator[GenerationChunk]:
-        """Stream new tokens. The last chunk carries the finish reason.
+    def _seen_tokens(self) -> SeenTokens:
+        """The distinct ids of the tokens, brought up to date with the tokens added since the last call."""
+        if self._seen is None or self._seen.length > len(self._tokens):
+            self._seen = SeenTokens(self.engine.config.vocab_size, self._tokens)
+        else:
+            self._seen.extend(self._tokens[self._seen.length:])
+        return self._seen
 
-        Raises ContextFull (before touching state) when no room is left for another token.
+    def generate(self, max_new_tokens: int = 256, stop: str | Sequence[str] | None = None,
+                 ignore_eos: bool = False) -> Iterator[GenerationChunk]:
+        """Stream up to `max_new_tokens` new tokens. The last chunk carries the finish reason; a
+        generation that fills the context ends with "length", keeping every token it made.
+
+        Checks its arguments when called. Raises ContextFull (before touching state) only when the
+        context has no room for even one token.
         """
+        _check_max_new_tokens(max_new_tokens)
         if not self._tokens:
             raise ConfigError("the session is empty: prefill a prompt first.")
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if not all(isinstance(s, str) for s in stops):
+            raise ConfigError(f"stop must be a str or a sequence of str, got {stop!r}.")
+        self._check_room_for_one()
+        return self._stream(int(max_new_tokens), stops, ignore_eos)
+
+    def _check_room_for_one(self) -> None:
+        if self._room() < 1:
+            raise ContextFull(f"the context of {self.engine.max_context} tokens is full; rewind or start "
+                              "a new session.")
+
+    def _stream(self, max_new_tokens: int, stops: tuple[str, ...], ignore_eos: bool) -> Iterator[GenerationChunk]:
         eos = set(self.engine.tokenizer.eos_token_ids)
         stream = self.engine.tokenizer.stream_decoder()
-        started, text, stops = time.perf_counter(), "", tuple(stop or ())
+        started, matcher = time.perf_counter(), StopStrings(stops)
         self._cancel.clear()
+        self._check_room_for_one()  # the state may have changed since generate() was called
         for step in range(max_new_tokens):
-            if self._room() < 1:
-                raise ContextFull(f"the context of {self.engine.max_context} tokens is full; rewind or start "
-                                  "a new session.")
             if self._cancel.is_set():
                 yield GenerationChunk(-1, stream.flush(), "cancelled", time.perf_counter() - started)
                 return
@@ -269,21 +328,27 @@ class Session:
                 yield GenerationChunk(-1, stream.flush(), "cancelled", time.perf_counter() - started)
                 return
             piece = stream.push(token)
-            text += piece
             reason = None
             if token in eos and not ignore_eos:
                 reason, piece = "eos", piece + stream.flush()
-            elif stops and any(s in text for s in stops):
+            elif stops and matcher.push(piece):
                 reason = "stop"
-            elif step == max_new_tokens - 1:
+            elif step == max_new_tokens - 1 or self._room() < 1:  # the context is full: stop, keep the tokens
                 reason, piece = "length", piece + stream.flush()
             yield GenerationChunk(token, piece, reason, time.perf_counter() - started)
             if reason:
                 return
 
     def generate_text(self, prompt: str | Sequence[int], max_new_tokens: int = 256,
-                      stop: Sequence[str] | None = None, ignore_eos: bool = False) -> str:
-        self.prefill(prompt)
+                      stop: str | Sequence[str] | None = None, ignore_eos: bool = False) -> str:
+        """Prefill `prompt` and return the generated text (without the EOS). Raises ContextFull, before
+        any state changes, when the prompt leaves no room for a new token."""
+        _check_max_new_tokens(max_new_tokens)
+        ids = self._ids(prompt)
+        if len(ids) + 1 > self._room():
+            raise ContextFull(f"a prompt of {len(ids)} tokens leaves no room for a reply: the session holds "
+                              f"{len(self._tokens)} of {self.engine.max_context}; rewind or start a new session.")
+        self.prefill(ids)
         eos = set(self.engine.tokenizer.eos_token_ids)
         ids = [c.token_id for c in self.generate(max_new_tokens, stop, ignore_eos) if c.token_id >= 0]
         return self.engine.tokenizer.decode([t for t in ids if t not in eos or ignore_eos],
@@ -294,18 +359,25 @@ class Session:
 
         The context then includes `ids`.
         """
-        ids = [int(t) for t in ids]
+        if isinstance(ids, str):
+            raise ConfigError("score takes token ids; encode the text with engine.tokenizer.encode first.")
+        ids = self._checked_ids(ids)
         if not ids:
             return np.zeros((0, self.engine.config.vocab_size), np.float32)
         if len(ids) > self._room():
             raise ContextFull(f"{len(ids)} tokens do not fit the remaining {self._room()} of the context.")
         rows = []
-        with self._run():
-            if self._tokens:  # the pending token first; its logits predict ids[0], not asked for
-                self.engine.executor.step([self._tokens[-1]], self.kv_cache, self._lora_id)
-            for token in ids:
-                logits = self.engine.executor.step([token], self.kv_cache, self._lora_id)[0]
-                rows.append(log_softmax(logits))
+        before = self.kv_cache.num_tokens
+        try:
+            with self._run():
+                if self._tokens:  # the pending token first; its logits predict ids[0], not asked for
+                    self.engine.executor.step([self._tokens[-1]], self.kv_cache, self._lora_id)
+                for token in ids:
+                    logits = self.engine.executor.step([token], self.kv_cache, self._lora_id)[0]
+                    rows.append(log_softmax(logits))
+        except BaseException:  # all or nothing: the cache must not run ahead of the tokens
+            self.kv_cache.set_num_tokens(before)
+            raise
         self._tokens.extend(ids)
         self.kv_cache.set_num_tokens(len(self._tokens) - 1)  # the last id becomes the pending token
         return np.stack(rows)
@@ -321,42 +393,155 @@ class Session:
 
 
 class Conversation:
-    """Multi-turn chat over one session: each turn prefills only what the template adds."""
+    """Multi-turn chat over one session: each turn prefills only what the template adds.
+
+    A session that already holds tokens (e.g. one from `Engine.load_session`) is continued: its
+    tokens stay as a fixed prefix, and `messages` holds only the messages added after it.
+    """
+
+    # A stand-in for the restored history: the template renders the turns that follow it as it
+    # would after any earlier exchange, and the text after this reply is what a new turn adds.
+    _PAST = ({"role": "user", "content": "litekv-earlier-message"},
+             {"role": "assistant", "content": "litekv-earlier-reply"})
 
     def __init__(self, session: Session, system: str | None = None):
         if not session.engine.tokenizer.chat_template:
             raise ConfigError("this model has no chat template; use a Session with plain prompts instead.")
+        self.prefix: tuple[int, ...] = tuple(session.tokens)  # restored history; never rewound
+        if system and self.prefix:
+            raise ConfigError("the session already holds a conversation, whose tokens include its system "
+                              "message; continue it without one, or start from a new session.")
         self.session = session
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         self.last_prefill = 0  # tokens prefilled by the latest turn
 
+    def _render(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of the whole conversation, ending with the generation prompt."""
+        tokenizer = self.session.engine.tokenizer
+        if not self.prefix:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template([*self._PAST, *messages], add_generation_prompt=True, tokenize=False)
+        marker = self._PAST[-1]["content"]
+        at = text.find(marker)
+        if at < 0:
+            raise ChatTemplateError("the chat template drops assistant replies, so litekv cannot continue a "
+                                    "restored conversation with it; start a new conversation.")
+        tail = text[at + len(marker):]
+        # A reply that ended with its end-of-turn token already holds the text the template closes it with.
+        end = tokenizer.decode([self.prefix[-1]]) if self.prefix[-1] in tokenizer.eos_token_ids else ""
+        if end and tail.startswith(end):
+            tail = tail[len(end):]
+        return [*self.prefix, *tokenizer.encode(tail, add_special_tokens=False)]
+
     def send(self, text: str, max_new_tokens: int = 256) -> Iterator[GenerationChunk]:
-        """Add a user message and stream the assistant's reply."""
-        self.messages.append({"role": "user", "content": text})
-        ids = self.session.engine.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
-        have = self.session._tokens
+        """Add a user message and stream the assistant's reply.
+
+        The message is recorded once its prompt is prefilled (a failed turn leaves no trace in
+        `messages`), the reply when the stream ends."""
+        _check_max_new_tokens(max_new_tokens)
+        session, tokenizer = self.session, self.session.engine.tokenizer
+        message = {"role": "user", "content": text}
+        ids = self._render([*self.messages, message])
+        if len(ids) + 1 > session.engine.max_context:  # checked before the rewind below changes state
+            raise ContextFull(f"the conversation needs {len(ids)} tokens and a reply, more than the context of "
+                              f"{session.engine.max_context}; start a new conversation.")
+        have = session._tokens
         common = 0
         while common < min(len(have), len(ids)) and have[common] == ids[common]:
             common += 1
         if common < len(have):  # the template re-rendered earlier text differently: rewind to agreement
-            self.session.rewind(len(have) - common)
-        self.last_prefill = self.session.prefill(ids[common:])
-        reply = []
-        for chunk in self.session.generate(max_new_tokens):
-            if chunk.token_id >= 0 and chunk.token_id not in self.session.engine.tokenizer.eos_token_ids:
+            session.rewind(len(have) - common)
+        self.last_prefill = session.prefill(ids[common:])
+        self.messages.append(message)
+        reply: list[int] = []
+        for chunk in session.generate(max_new_tokens):
+            if chunk.token_id >= 0 and chunk.token_id not in tokenizer.eos_token_ids:
                 reply.append(chunk.token_id)
             yield chunk
-        self.messages.append({"role": "assistant",
-                              "content": self.session.engine.tokenizer.decode(reply, skip_special_tokens=True)})
+        self.messages.append({"role": "assistant", "content": tokenizer.decode(reply, skip_special_tokens=True)})
+
+
+class StopStrings:
+    """Watches streamed text for any of `stops`, searching only where a new match can be.
+
+    The text before the window was searched already and held no stop (generation would have
+    ended), so a new match ends in the new piece: it lies in the last len(piece) + longest - 1
+    characters. A step's work does not grow with the text generated so far.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(stops)
+        self._keep = max(max(map(len, self.stops), default=1) - 1, 0)
+        self.window = ""  # the last `longest - 1` characters pushed
+
+    def push(self, piece: str) -> bool:
+        """Add the next piece of text; True when the text now contains a stop string."""
+        recent = self.window + piece
+        self.window = recent[-self._keep:] if self._keep else ""
+        return any(s in recent for s in self.stops)
+
+
+class SeenTokens:
+    """The distinct ids of a growing token list, for the repetition penalty.
+
+    Adding a token costs O(1), and the penalty touches only the distinct ids: a step's work does
+    not grow with the context (np.unique over the whole list took 7.8 ms a token at 32K tokens).
+    """
+
+    def __init__(self, vocab_size: int, tokens: Sequence[int] = ()):
+        self._mask = np.zeros(vocab_size, bool)
+        self._ids = np.empty(vocab_size, np.int64)  # the first `_count` are the distinct ids seen
+        self._count = 0
+        self.length = 0  # how many tokens of the list have been added
+        self.extend(tokens)
+
+    @property
+    def ids(self) -> np.ndarray:
+        """The distinct ids seen [n] int64, in order of first appearance (a view)."""
+        return self._ids[:self._count]
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        if len(tokens) == 1:  # the decode step's case: no array round trip
+            token = tokens[0]
+            if not self._mask[token]:
+                self._mask[token] = True
+                self._ids[self._count] = token
+                self._count += 1
+        elif len(tokens):
+            new = np.unique(np.asarray(tokens, np.int64))
+            new = new[~self._mask[new]]
+            self._mask[new] = True
+            self._ids[self._count:self._count + new.size] = new
+            self._count += new.size
+        self.length += len(tokens)
+
+    def penalize(self, logits: np.ndarray, penalty: float) -> None:
+        """Apply the penalty to `logits` [vocab] float32 in place (see apply_repetition_penalty)."""
+        _penalize(logits, self.ids, penalty)
+
+
+def _penalize(logits: np.ndarray, seen: np.ndarray, penalty: float) -> None:
+    values = logits[seen]
+    logits[seen] = np.where(values > 0, values / np.float32(penalty), values * np.float32(penalty))
 
 
 def apply_repetition_penalty(logits: np.ndarray, context: Sequence[int], penalty: float) -> np.ndarray:
-    """Hugging Face semantics: seen tokens' positive logits are divided, negative ones multiplied."""
+    """Hugging Face semantics: seen tokens' positive logits are divided, negative ones multiplied.
+
+    Returns a penalized copy of `logits` [vocab]; sessions keep a `SeenTokens` instead of a context."""
     out = logits.copy()
-    seen = np.unique(np.asarray(context, np.int64))
-    values = out[seen]
-    out[seen] = np.where(values > 0, values / np.float32(penalty), values * np.float32(penalty))
+    _penalize(out, np.unique(np.asarray(context, np.int64)), penalty)
     return out
+
+
+def _is_int(value: object) -> bool:
+    """An int or numpy integer; bool is refused (True is not a token id or a count)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_max_new_tokens(max_new_tokens: object) -> None:
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be a whole number of at least 1, got {max_new_tokens!r}.")
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

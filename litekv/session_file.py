@@ -87,9 +87,12 @@ def encode_session(state: SessionState) -> bytes:
     return bytes(buf)
 
 
-def decode_session(data: bytes, expected_fingerprint: str | None = None) -> SessionState:
-    """Validate and decode `encode_session` output; raises SessionFormatError on any problem."""
-    return _decode(data, expected_fingerprint, "session data")
+def decode_session(data: bytes, expected_fingerprint: str | None = None,
+                   vocab_size: int | None = None) -> SessionState:
+    """Validate and decode `encode_session` output; raises SessionFormatError on any problem.
+
+    vocab_size: when given, every token id must be below it (the model that will run the session)."""
+    return _decode(data, expected_fingerprint, vocab_size, "session data")
 
 
 def write_session(path: str | Path, state: SessionState) -> None:
@@ -97,15 +100,17 @@ def write_session(path: str | Path, state: SessionState) -> None:
     write_atomic(Path(path), encode_session(state))
 
 
-def read_session(path: str | Path, expected_fingerprint: str | None = None) -> SessionState:
+def read_session(path: str | Path, expected_fingerprint: str | None = None,
+                 vocab_size: int | None = None) -> SessionState:
+    """`decode_session` of a file's contents; errors name the file."""
     try:
         data = Path(path).read_bytes()
     except OSError as e:
         raise SessionFormatError(f"cannot read session file '{path}': {e.strerror or e}.") from e
-    return _decode(data, expected_fingerprint, f"session file '{path}'")
+    return _decode(data, expected_fingerprint, vocab_size, f"session file '{path}'")
 
 
-def _decode(data: bytes, expected_fingerprint: str | None, where: str) -> SessionState:
+def _decode(data: bytes, expected_fingerprint: str | None, vocab_size: int | None, where: str) -> SessionState:
     buf = memoryview(data).cast("B")
     try:
         f = parse(SCHEMA, buf, IDENTIFIER)
@@ -128,6 +133,11 @@ def _decode(data: bytes, expected_fingerprint: str | None, where: str) -> Sessio
     if _checksum(buf, _checksum_position(buf)) != f["checksum"]:
         raise SessionFormatError(f"{where}: checksum mismatch, the data is corrupted.")
     _check_contents(f["fingerprint"], f["tokens"], f["kv_cache"], expected_fingerprint, where)
+    tokens = f["tokens"]
+    if vocab_size is not None and tokens.size and tokens.max() >= vocab_size:
+        raise SessionFormatError(f"{where}: token id {int(tokens.max())} is outside the model's vocabulary of "
+                                 f"{vocab_size} ids; the file is damaged or was written by another program. "
+                                 "Start a new session.")
     sampler = SamplerState(f["sampler_temperature"], f["sampler_top_k"], f["sampler_top_p"],
                            f["sampler_repetition_penalty"], f["sampler_seed"], f["sampler_draws"])
     return SessionState(f["fingerprint"], f["backend"], f["tokens"], f["kv_cache"], sampler, f["lora_name"],
@@ -141,7 +151,8 @@ def _check_contents(fingerprint: str, tokens: np.ndarray, kv_blob: np.ndarray, e
                                  f"calibration (saved with model fingerprint {fingerprint!r}, this model's is "
                                  f"{expected!r}); load it with the model that saved it.")
     if tokens.size and tokens.min() < 0:
-        raise SessionFormatError(f"{where}: negative token ids.")
+        raise SessionFormatError(f"{where}: negative token ids (such as {int(tokens.min())}); the data is damaged or "
+                                 "was written by another program.")
     # Only the header matters here; KVCache.load checks shapes again when the caller restores it.
     try:
         header = parse(kv_cache.SCHEMA, kv_blob, kv_cache.IDENTIFIER)
