@@ -20,6 +20,7 @@ import mmap
 import time
 import zlib
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,9 @@ MMAP_MIN_BYTES = 1 << 18
 # many bytes takes its K/V buffers from one map of such pages (`huge_pages`): the decode kernel
 # streams every live row each step, and with 4 KB pages that was a page walk every 4 KB.
 HUGE_PAGE_BYTES = 2 << 20
+# Serialized caches hold [layer, batch, token, kv_head, dim] whatever the layout of the buffers they
+# came from; a file that names another order is not one litekv wrote.
+SERIALIZED_LAYOUT = "BSHD"
 FORMAT_VERSION = 2  # 2 when the cache has row scales (older readers then say so, not "corrupted"); 1 otherwise
 READABLE_FORMAT_VERSIONS = (1, 2)
 IDENTIFIER = b"LKVC"
@@ -111,6 +115,25 @@ class KVCacheStats:
     last_access: float  # time.time() of the last read or write
 
 
+@dataclass(frozen=True)
+class KVCacheFormat:
+    """What a cache's buffers are, apart from the batch size: an executor runs only caches of the
+    format its create_kv_cache() makes (the dtype and layout its kernels read)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    capacity: int
+    layout: str
+    dtype: str
+    row_scales: bool
+
+    def differences(self, other: "KVCacheFormat") -> dict[str, tuple[Any, Any]]:
+        """{field: (this value, other's)} of the fields that differ."""
+        return {f.name: (getattr(self, f.name), getattr(other, f.name)) for f in dataclass_fields(self)
+                if getattr(self, f.name) != getattr(other, f.name)}
+
+
 @dataclass
 class _Storage:
     keys: list[np.ndarray]
@@ -127,6 +150,7 @@ class _Storage:
     key_scales: list[np.ndarray] | None = None
     value_scales: list[np.ndarray] | None = None
     huge_pages: bool = False  # keys and values in one map of 2 MB pages (_page_aligned_zeros)
+    format: KVCacheFormat | None = None  # memo of KVCache.format: the buffers never change until release
 
 
 class KVCache:
@@ -200,27 +224,46 @@ class KVCache:
 
     @property
     def num_layers(self) -> int:
+        self._check_valid()
         return len(self._s.keys)
 
     @property
     def batch_size(self) -> int:
-        return self._s.keys[0].shape[0]
+        return self._first_keys().shape[0]
 
     @property
     def num_entries(self) -> int:
-        return self._s.keys[0].shape[1 if self._slot_major else 2]
+        return self._first_keys().shape[1 if self._slot_major else 2]
 
     @property
     def num_kv_heads(self) -> int:
-        return self._s.keys[0].shape[2 if self._slot_major else 1]
+        return self._first_keys().shape[2 if self._slot_major else 1]
 
     @property
     def head_dim(self) -> int:
-        return self._s.keys[0].shape[3]
+        return self._first_keys().shape[3]
 
     @property
     def dtype(self) -> np.dtype:
-        return self._s.keys[0].dtype
+        return self._first_keys().dtype
+
+    @property
+    def format(self) -> KVCacheFormat:
+        """Layers, KV heads, head dim, capacity, layout, dtype and row scales (not the batch size)."""
+        s = self._s
+        self._check_valid()
+        if s.format is None:
+            s.format = KVCacheFormat(self.num_layers, self.num_kv_heads, self.head_dim, self.num_entries, s.layout,
+                                     str(self.dtype), self.row_scales)
+        return s.format
+
+    def _first_keys(self) -> np.ndarray:
+        """Layer 0's key buffer, whose shape and dtype every buffer of the cache shares."""
+        keys = self._s.keys
+        if keys:
+            return keys[0]
+        self._check_valid()  # released: its lists are empty
+        raise KVCacheError(f"KV cache {self.cache_id} has no layers.")
 
     @property
     def row_scales(self) -> bool:
@@ -254,10 +297,18 @@ class KVCache:
 
     # ---- access -----------------------------------------------------------------------------------
     def key_cache(self, layer: int) -> np.ndarray:
-        return self._valid_view(self._s.keys[layer], self.key_blocks)
+        return self._valid_view(self._s.keys[self._layer(layer)], self.key_blocks)
 
     def value_cache(self, layer: int) -> np.ndarray:
-        return self._valid_view(self._s.values[layer])
+        return self._valid_view(self._s.values[self._layer(layer)])
+
+    def _layer(self, layer: int) -> int:
+        """`layer`, checked to be one of this (unreleased) cache's."""
+        self._check_valid()
+        count = len(self._s.keys)
+        if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool) and 0 <= layer < count:
+            return layer
+        raise KVCacheError(f"layer {layer!r} does not exist: this cache has layers 0..{count - 1}.")
 
     def key_scales(self, layer: int) -> np.ndarray:
         """The valid tokens' row scales [batch, num_tokens, num_kv_heads] of a cache with
@@ -268,7 +319,7 @@ class KVCache:
         return self._valid_scales(self._s.value_scales, layer)
 
     def _valid_scales(self, scales: list[np.ndarray] | None, layer: int) -> np.ndarray:
-        self._check_valid()
+        layer = self._layer(layer)
         if scales is None:
             raise KVCacheError("this cache has no scales per row: its codes use the model's static scales.")
         view = scales[layer][:, :, :self.num_tokens].transpose(0, 2, 1)
@@ -277,12 +328,16 @@ class KVCache:
 
     def raw_key_scales(self, layer: int) -> np.ndarray:
         """The whole row-scale buffer [batch, kv_head, slot], for executors (writable)."""
-        self._check_valid()
-        return self._s.key_scales[layer]
+        return self._raw_scales(self._s.key_scales, layer)
 
     def raw_value_scales(self, layer: int) -> np.ndarray:
-        self._check_valid()
-        return self._s.value_scales[layer]
+        return self._raw_scales(self._s.value_scales, layer)
+
+    def _raw_scales(self, scales: list[np.ndarray] | None, layer: int) -> np.ndarray:
+        layer = self._layer(layer)
+        if scales is None:
+            raise KVCacheError("this cache has no scales per row: its codes use the model's static scales.")
+        return scales[layer]
 
     def _buffer_lists(self) -> list[list[np.ndarray]]:
         """Keys, values and (with row scales) their scales: what copies and serialization carry."""
@@ -295,12 +350,10 @@ class KVCache:
     def raw_keys(self, layer: int) -> np.ndarray:
         """The whole buffer in backend layout, for executors (writable; with key_blocks, its bytes
         are blocks)."""
-        self._check_valid()
-        return self._s.keys[layer]
+        return self._s.keys[self._layer(layer)]
 
     def raw_values(self, layer: int) -> np.ndarray:
-        self._check_valid()
-        return self._s.values[layer]
+        return self._s.values[self._layer(layer)]
 
     def set_num_tokens(self, n: int) -> None:
         """Executors commit processed tokens here; a smaller value rewinds (stale rows are ignored)."""
@@ -359,7 +412,8 @@ class KVCache:
 
     def _check_valid(self) -> None:
         if self._s.released:
-            raise KVCacheError(f"KV cache {self.cache_id} was released; create a new cache.")
+            raise KVCacheError(f"KV cache {self.cache_id} was released and has no buffers any more; create a new "
+                               "one with executor.create_kv_cache().")
 
     # ---- stats and paging metadata ----------------------------------------------------------------
     def stats(self) -> KVCacheStats:
@@ -432,7 +486,7 @@ class KVCache:
         """Flatbuffer (litekv/schema/kv_cache.fbs) of the valid tokens in canonical layout, checksummed."""
         self._check_valid()
         n = self.num_tokens
-        header = dict(version=FORMAT_VERSION if self.row_scales else 1, layout="BSHD", dtype=str(self.dtype),
+        header = dict(version=FORMAT_VERSION if self.row_scales else 1, layout=SERIALIZED_LAYOUT, dtype=str(self.dtype),
                       num_layers=self.num_layers,
                       batch_size=self.batch_size, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                       num_tokens=n, capacity=self.num_entries)
@@ -473,6 +527,10 @@ class KVCache:
         if _checksum(header, fields["keys"], fields["values"], fields["key_scales"] if row_scales else None,
                      fields["value_scales"] if row_scales else None) != fields["checksum"]:
             raise KVCacheError("serialized KV cache failed its checksum: the data is corrupted.")
+        if header["layout"] != SERIALIZED_LAYOUT:
+            raise KVCacheError(f"serialized KV cache says its data is in {header['layout']!r} order; litekv writes "
+                               f"and reads {SERIALIZED_LAYOUT!r} ([layer, batch, token, kv_head, dim]) only, so this "
+                               "file was not written by KVCache.serialize(): save the cache again with litekv.")
         expected = dict(num_layers=self.num_layers, batch_size=self.batch_size, num_kv_heads=self.num_kv_heads,
                         head_dim=self.head_dim, dtype=str(self.dtype), row_scales=self.row_scales)
         saved = {**header, "row_scales": row_scales}
@@ -499,6 +557,8 @@ class KVCache:
         self.set_num_tokens(n)
 
     def __repr__(self) -> str:
+        if self._s.released:
+            return f"KVCache(id={self.cache_id}, released)"
         return (f"KVCache(id={self.cache_id}, layers={self.num_layers}, batch={self.batch_size}, "
                 f"tokens={self.num_tokens}/{self.num_entries}, layout={self.layout})")
 

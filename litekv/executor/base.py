@@ -6,18 +6,22 @@ the model. Concrete executors implement the three backend hooks at the bottom.
 """
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
+from numbers import Integral, Real
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 
+from litekv.bundle import Manifest
 from litekv.errors import Cancelled, ConfigError, ContextFull
-from litekv.kv_cache import KVCache
+from litekv.kv_cache import KVCache, KVCacheError, KVCacheFormat
 from litekv.models.config import ModelConfig
 from litekv.resident_pages import ModelFilePages, keep_large_allocations_mapped
 from litekv.sampling import step_seed
@@ -30,9 +34,42 @@ class LoraInUse(LoraError):
     """The adapter is used by a running call and cannot be unloaded now."""
 
 
+_FLOAT32_TINY, _FLOAT32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+TOP_K_MAX = 2**31 - 1  # the sampler graphs' top_k input is int32
+# Session files store the seed as int64; step_seed folds it (and the row and position) into the
+# sampler graphs' int32 seed input.
+SEED_MAX = 2**63 - 1
+
+
+def _is_int(value: object) -> bool:
+    """An int (numpy's too), not a bool."""
+    return type(value) is int or (isinstance(value, Integral) and not isinstance(value, (bool, np.bool_)))
+
+
+def _number(name: str, value: object) -> float:
+    """A sampler field that must be a finite real number, as a float."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Real):
+        raise ConfigError(f"sampler {name} must be a number, got {value!r}.")
+    if not math.isfinite(value):
+        raise ConfigError(f"sampler {name} must be a finite number, got {value!r}.")
+    return float(value)
+
+
+def _whole(name: str, value: object, high: int, meaning: str) -> int:
+    """A sampler field that must be an int in 0..high, as an int."""
+    if not _is_int(value):
+        raise ConfigError(f"sampler {name} must be an int ({meaning}), got {value!r}.")
+    if not 0 <= value <= high:
+        raise ConfigError(f"sampler {name} must lie in 0..{high} ({meaning}), got {value!r}.")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class SamplerParams:
-    """temperature 0 means greedy; top_k 0 means no top-k limit (64 candidates at most in-graph)."""
+    """temperature 0 means greedy; top_k 0 means no top-k limit (64 candidates at most in-graph).
+
+    Checked and normalized on creation (Python float / int): the models compute in float32 with
+    int32 top_k and seed inputs, so values outside those are refused here rather than mid-generation."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -40,8 +77,20 @@ class SamplerParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.seed < 0:
-            raise ConfigError("sampler needs temperature >= 0, 0 < top_p <= 1, top_k >= 0 and seed >= 0.")
+        temperature = _number("temperature", self.temperature)
+        # float32 must hold it (logits are divided by it) as a normal number: 0 < t < 1.2e-38 would
+        # divide by zero or by a denormal in the graph
+        if temperature < 0 or 0 < temperature < _FLOAT32_TINY or temperature > _FLOAT32_MAX:
+            raise ConfigError(f"sampler temperature must be 0 (greedy) or lie in {_FLOAT32_TINY:.3g}.."
+                              f"{_FLOAT32_MAX:.3g}, got {self.temperature!r}.")
+        top_p = _number("top_p", self.top_p)
+        if not _FLOAT32_TINY <= top_p <= 1:  # above 0 in float32 too
+            raise ConfigError(f"sampler top_p must lie in {_FLOAT32_TINY:.3g}..1 (1 keeps every candidate), got "
+                              f"{self.top_p!r}.")
+        top_k = _whole("top_k", self.top_k, TOP_K_MAX, "0 = no limit")
+        seed = _whole("seed", self.seed, SEED_MAX, "any non-negative int64")
+        for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
@@ -56,6 +105,46 @@ class SamplerParams:
     def seed_for(self, position: int, row: int) -> int:
         """The draw at absolute `position` of batch `row`: independent of how steps are grouped in calls."""
         return step_seed(self.seed + 7_919 * row, position)
+
+
+def sampler_params(sampler: object) -> SamplerParams:
+    """SamplerParams itself, or those of a litekv.SamplerConfig (anything whose `params` is
+    SamplerParams: the engine module sits above this one)."""
+    if isinstance(sampler, SamplerParams):
+        return sampler
+    params = getattr(sampler, "params", None)
+    if not isinstance(params, SamplerParams):
+        raise ConfigError(f"sampler must be a SamplerParams or a litekv.SamplerConfig, got {type(sampler).__name__}.")
+    if getattr(sampler, "repetition_penalty", 1.0) != 1.0:  # the in-model samplers have no penalty: not ignored
+        raise ConfigError("sample_tokens samples inside the model, which has no repetition penalty; use step() and "
+                          "sample on the host (litekv.Session does), or set repetition_penalty=1.0.")
+    return params
+
+
+ACCELERATORS = ("cpu", "gpu", "npu", "auto")
+
+
+def check_accelerator(backend: str, accelerator: object, provider_lists: bool) -> None:
+    """`accelerator` is one of ACCELERATORS or, where the backend takes them (provider_lists:
+    ONNX Runtime), a non-empty list of execution provider names or (name, options) pairs."""
+    if isinstance(accelerator, str) and accelerator in ACCELERATORS:
+        return
+    if provider_lists and isinstance(accelerator, (list, tuple)) and accelerator and all(
+            isinstance(p, str) or (isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
+                                   and isinstance(p[1], dict)) for p in accelerator):
+        return
+    choices = ", ".join(map(repr, ACCELERATORS))
+    lists = " or a list of ONNX Runtime execution providers" if provider_lists else ""
+    raise ConfigError(f"unknown accelerator {accelerator!r} for the {backend} backend; use one of {choices}{lists}.")
+
+
+def check_threads(threads: object, name: str = "threads") -> int | None:
+    """`threads`: None (the backend's default) or a positive int; returned as an int."""
+    if threads is None:
+        return None
+    if not _is_int(threads) or threads < 1:
+        raise ConfigError(f"{name} must be a positive int, or None for the default, got {threads!r}.")
+    return int(threads)
 
 
 class ReusedArrays:
@@ -90,6 +179,9 @@ class ExecutorBase(ABC):
 
     backend: str = ""
     accelerator: str = "cpu"
+    # The converted bundle's manifest (None for executors without a bundle): its KV cache format is
+    # what create_kv_cache makes.
+    manifest: Manifest | None = None
     # The model file's pages to give back after each prefill chunk and every few hundred steps
     # (CPU backends that run on their own copy of the weights set it).
     model_pages: ModelFilePages | None = None
@@ -118,18 +210,29 @@ class ExecutorBase(ABC):
         buffers on 2 MB pages, all resident from the first token; False for 4 KB pages that become
         resident as tokens reach them (see KVCache.allocate)."""
 
-    def _check_cache(self, kv_cache: KVCache) -> None:
-        cfg = self.config
-        if not kv_cache.is_valid():
-            raise ConfigError(f"KV cache {kv_cache.cache_id} is not valid (released?); create a new one.")
-        expected = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.max_context, self.kv_layout)
-        actual = (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim, kv_cache.num_entries,
-                  kv_cache.layout)
-        if expected != actual:
-            raise ConfigError(f"KV cache {actual} was not made for this {self.backend} executor {expected}; "
-                              "create it with executor.create_kv_cache() (or copy it over with select/broadcast).")
-
     kv_layout = "BSHD"
+
+    @cached_property
+    def kv_cache_format(self) -> KVCacheFormat:
+        """The format of the caches create_kv_cache makes, the only ones this executor runs."""
+        cfg, manifest = self.config, self.manifest
+        dtype = str(np.dtype(manifest.kv_dtype)) if manifest is not None else "float32"
+        row_scales = bool(manifest.kv_row_scales) if manifest is not None else False
+        return KVCacheFormat(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.max_context, self.kv_layout, dtype,
+                             row_scales)
+
+    def _check_cache(self, kv_cache: KVCache) -> None:
+        """KVCacheError unless `kv_cache` is an unreleased cache of this executor's format."""
+        if not isinstance(kv_cache, KVCache):
+            raise KVCacheError(f"expected a KVCache from executor.create_kv_cache(), got {type(kv_cache).__name__}.")
+        expected = self.kv_cache_format
+        actual = kv_cache.format  # KVCacheError if the cache was released
+        if actual != expected:
+            differences = ", ".join(f"{name} {theirs!r} (this executor's: {ours!r})"
+                                    for name, (ours, theirs) in expected.differences(actual).items())
+            raise KVCacheError(f"KV cache {kv_cache.cache_id} was not made for this {self.backend} executor: "
+                               f"{differences}. Create it with this executor's create_kv_cache() (select_and_copy_from "
+                               "copies tokens over from a cache of the same dtype).")
 
     # ---- prefill --------------------------------------------------------------------------------
     def prefill(self, inputs: Sequence[int] | np.ndarray, kv_cache: KVCache, lora_id: int | None = None) -> None:
@@ -167,18 +270,56 @@ class ExecutorBase(ABC):
         return self.prefill_lengths
 
     def _token_matrix(self, inputs: Sequence[int] | np.ndarray, kv_cache: KVCache) -> np.ndarray:
+        """Prefill tokens [T] or [batch, T] as int32 [batch, T], checked."""
         self._check_cache(kv_cache)
-        tokens = np.asarray(inputs, dtype=np.int64)
+        batch = kv_cache.batch_size
+        tokens = self._token_array(inputs)
         if tokens.ndim == 1:
-            tokens = np.broadcast_to(tokens, (kv_cache.batch_size, tokens.shape[0]))
-        if tokens.ndim != 2 or tokens.shape[0] != kv_cache.batch_size:
-            raise ConfigError(f"tokens must be [T] or [batch={kv_cache.batch_size}, T], got shape {tokens.shape}.")
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
-            raise ConfigError(f"token ids must lie in 0..{self.config.vocab_size - 1}.")
+            tokens = np.broadcast_to(tokens, (batch, tokens.shape[0]))
+        if tokens.ndim != 2 or tokens.shape[0] != batch:
+            raise ConfigError(f"tokens must be [T] or [batch={batch}, T], got shape {tokens.shape}.")
+        self._check_ids(tokens)
         if kv_cache.num_tokens + tokens.shape[1] > self.max_context:
             raise ContextFull(f"{tokens.shape[1]} new tokens do not fit: the cache holds {kv_cache.num_tokens} of "
                               f"{self.max_context}; start a new sequence or rewind.")
         return tokens.astype(np.int32)
+
+    def _step_tokens(self, inputs: Sequence[int] | np.ndarray, kv_cache: KVCache) -> np.ndarray:
+        """A step's next token of each row, int32 [batch], checked (the cache first)."""
+        self._check_cache(kv_cache)
+        batch = kv_cache.batch_size
+        if type(inputs) is list and len(inputs) == batch and all(
+                type(t) is int and 0 <= t < self.config.vocab_size for t in inputs):
+            tokens = np.array(inputs, np.int32)  # the common call, [id] from a session: no numpy reductions
+        else:
+            tokens = self._token_array(inputs)
+            if tokens.size != batch or tokens.ndim > 2 or (tokens.ndim and tokens.shape[0] != batch):
+                raise ConfigError(f"a step takes one token per batch row: [{batch}] (or [{batch}, 1]) ids, got "
+                                  f"shape {list(tokens.shape)}.")
+            self._check_ids(tokens)
+            tokens = tokens.reshape(batch).astype(np.int32)
+        if kv_cache.num_tokens >= self.max_context:
+            raise ContextFull(f"1 new token does not fit: the cache holds {kv_cache.num_tokens} of "
+                              f"{self.max_context}; start a new sequence or rewind.")
+        return tokens
+
+    def _token_array(self, inputs: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Token ids as an integer array (an empty one is fine)."""
+        ids = f"token ids must be ints in 0..{self.config.vocab_size - 1}"
+        try:
+            tokens = np.asarray(inputs)
+        except (ValueError, TypeError) as e:  # ragged nesting
+            raise ConfigError(f"{ids}, in a [T] or [batch, T] array: {e}") from e
+        if tokens.size and tokens.dtype.kind not in "iu":
+            raise ConfigError(f"{ids}, got values such as {tokens.reshape(-1)[:1].tolist()[0]!r}; encode text with "
+                              "the tokenizer first.")
+        return tokens
+
+    def _check_ids(self, tokens: np.ndarray) -> None:
+        vocab = self.config.vocab_size
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
+            bad = tokens[(tokens < 0) | (tokens >= vocab)].reshape(-1)[0]
+            raise ConfigError(f"token id {int(bad)} is outside the vocabulary: ids must lie in 0..{vocab - 1}.")
 
     # ---- LoRA -------------------------------------------------------------------------------------
     def load_lora(self, adapter: str | Path | LoraAdapter, name: str | None = None) -> int:
@@ -232,23 +373,34 @@ class ExecutorBase(ABC):
 
     @contextmanager
     def _call(self, lora_id: int | None) -> Iterator[LoraAdapter | None]:
+        adapter = self._begin_call(lora_id)
+        try:
+            yield adapter
+        finally:
+            self._end_call(lora_id)
+
+    # _call in two halves, for the one-token paths (step, sample_tokens) to skip the generator.
+    def _begin_call(self, lora_id: int | None) -> LoraAdapter | None:
+        """Count a running call (and its adapter as in use); returns the adapter of lora_id."""
         with self._lock:
             if lora_id is not None and lora_id not in self._adapters:
                 raise LoraError(f"no adapter with lora_id {lora_id} is loaded.")
             adapter = self._adapters.get(lora_id) if lora_id is not None else None
             if lora_id is not None:
                 self._adapters_in_use[lora_id] = self._adapters_in_use.get(lora_id, 0) + 1
-            if self._running == 0:
+            # A backend is interrupted only by cancel(), which sets _cancel too: with it clear,
+            # there is nothing to reset (ONNX makes new RunOptions for it).
+            if self._running == 0 and self._cancel.is_set():
                 self._cancel.clear()
                 self._reset_backend_cancel()
             self._running += 1
-        try:
-            yield adapter
-        finally:
-            with self._lock:
-                self._running -= 1
-                if lora_id is not None:
-                    self._adapters_in_use[lora_id] -= 1
+        return adapter
+
+    def _end_call(self, lora_id: int | None) -> None:
+        with self._lock:
+            self._running -= 1
+            if lora_id is not None:
+                self._adapters_in_use[lora_id] -= 1
 
     def _reset_backend_cancel(self) -> None:
         """Clear a backend-level cancel request before a new call."""
@@ -265,11 +417,14 @@ class ExternalSamplerExecutor(ExecutorBase):
 
     def step(self, inputs: Sequence[int] | np.ndarray, kv_cache: KVCache, lora_id: int | None = None) -> np.ndarray:
         """inputs: the next token of each row [batch]; returns logits [batch, vocab] float32."""
-        tokens = self._token_matrix(np.asarray(inputs).reshape(kv_cache.batch_size, 1), kv_cache)
-        with self._call(lora_id) as adapter:
-            logits = self._decode(tokens[:, 0], kv_cache, adapter)
+        tokens = self._step_tokens(inputs, kv_cache)
+        adapter = self._begin_call(lora_id)
+        try:
+            logits = self._decode(tokens, kv_cache, adapter)
             kv_cache.set_num_tokens(kv_cache.num_tokens + 1)
-            self._count_steps(kv_cache.batch_size)
+            self._count_steps(len(tokens))
+        finally:
+            self._end_call(lora_id)
         return logits
 
     @abstractmethod
@@ -285,23 +440,29 @@ class InternalSamplerExecutor(ExecutorBase):
                       lora_id: int | None = None, sampler: SamplerParams = SamplerParams()) -> np.ndarray:
         """inputs: the next token of each row [batch]; returns sampled ids [batch, num_steps] int32.
 
-        Each step feeds the previous step's sample. A cancel stops at the next step and raises
-        `Cancelled`; the cache then holds every token that was fed in.
+        sampler: SamplerParams, or a litekv.SamplerConfig without repetition penalty. Each step
+        feeds the previous step's sample. A cancel stops at the next step and raises `Cancelled`;
+        the cache then holds every token that was fed in.
         """
-        if num_steps < 1:
-            raise ConfigError("num_steps must be at least 1.")
-        tokens = self._token_matrix(np.asarray(inputs).reshape(kv_cache.batch_size, 1), kv_cache)[:, 0]
+        if not _is_int(num_steps) or num_steps < 1:
+            raise ConfigError(f"num_steps must be an int of at least 1, got {num_steps!r}.")
+        sampler = sampler_params(sampler)
+        tokens = self._step_tokens(inputs, kv_cache)
         if kv_cache.num_tokens + num_steps > self.max_context:
             raise ContextFull(f"{num_steps} steps do not fit: the cache holds {kv_cache.num_tokens} of "
                               f"{self.max_context}.")
-        out = np.zeros((kv_cache.batch_size, num_steps), np.int32)
-        with self._call(lora_id) as adapter:
+        batch = len(tokens)
+        out = np.empty((batch, num_steps), np.int32)  # every column is written before it is returned
+        adapter = self._begin_call(lora_id)
+        try:
             for i in range(num_steps):
                 self._check_cancel()
                 tokens = self._sample(tokens, kv_cache, adapter, sampler)
                 kv_cache.set_num_tokens(kv_cache.num_tokens + 1)
-                self._count_steps(kv_cache.batch_size)
+                self._count_steps(batch)
                 out[:, i] = tokens
+        finally:
+            self._end_call(lora_id)
         return out
 
     @abstractmethod

@@ -24,7 +24,7 @@ from litekv.litert_capi import CompiledTFLiteModel, HostTensorBuffer
 from litekv.resident_pages import FileMappings, ModelFilePages
 from litekv.sampling import CANDIDATES
 
-from .base import ExternalSamplerExecutor, InternalSamplerExecutor, SamplerParams
+from .base import ExternalSamplerExecutor, InternalSamplerExecutor, SamplerParams, check_accelerator, check_threads
 from .lora import LoraAdapter, lora_inputs
 from .numpy_executor import host_sample
 from .prefill_plan import Chunk
@@ -155,8 +155,11 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
 
     def __init__(self, bundle: str | Path, manifest: Manifest, accelerator: str = "cpu", threads: int | None = None,
                  attention_threads: int | None = None):
-        """threads: XNNPACK's pool (default 2); attention_threads: litekv's decode-attention kernel
-        (default: threads; it uses at most 2)."""
+        """accelerator: "cpu", "gpu", "npu" or "auto" (the first of those that works); threads:
+        XNNPACK's pool (default 2); attention_threads: litekv's decode-attention kernel (default:
+        threads; it uses at most 2)."""
+        check_accelerator(self.backend, accelerator, provider_lists=False)
+        threads, attention_threads = check_threads(threads), check_threads(attention_threads, "attention_threads")
         super().__init__(manifest.config, manifest.max_context, manifest.prefill_lengths, manifest.lora_rank,
                          manifest.lora_targets)
         self.manifest = manifest
