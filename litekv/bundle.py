@@ -6,14 +6,17 @@ token count and KV capacity, the KV layout, quantization, LoRA inputs and the mo
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import tempfile
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from functools import partial
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-from litekv.errors import LitekvError
-from litekv.models.config import ModelConfig
+from litekv.errors import ConfigError, LitekvError
+from litekv.models.config import ACTIVATIONS, LAYER_KINDS, ModelConfig, RopeConfig
 
 MANIFEST = "litekv.json"
 FORMAT = "litekv-bundle"
@@ -58,6 +61,18 @@ BACKENDS = ("litert", "onnx")
 # float32 scale per token and KV head beside them (Manifest.kv_row_scales), LiteRT with litekv's kernels.
 KV_CACHE_DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "int8", "int8-row": "int8"}
 KV_CACHE_FORMATS = tuple(KV_CACHE_DTYPES)
+# The entry points' kinds each backend's converter writes (SignatureInfo.kind).
+SIGNATURE_KINDS = {"litert": ("prefill", "decode", "sampler"), "onnx": ("step", "decode")}
+# Manifest.quantization: each key's formats (None: the int4 block size, a positive even integer). The
+# converter's QuantPlan writes it (converters.quantize WEIGHT_FORMATS, EMBEDDING_FORMATS; a test keeps them equal).
+QUANTIZATION_FORMATS = {"weights": ("fp32", "int8", "int4"), "lm_head": ("fp32", "int8", "int4"),
+                        "embedding": ("fp32", "fp16"), "block_size": None}
+LORA_TARGETS = ("q", "k", "v", "o")
+LORA_LAYOUTS = ("out_in", "in_out")
+ROPE_KINDS = ("default", "linear", "llama3")  # RopeConfig.kind
+_ALL_SIGNATURE_KINDS = tuple(dict.fromkeys(k for kinds in SIGNATURE_KINDS.values() for k in kinds))
+# An ONNX LoRA-ready bundle's LoRA graph, over the model file's weights.
+ONNX_LORA_FILE = "model_lora.onnx"
 
 
 class BundleError(LitekvError):
@@ -135,84 +150,68 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str, where: str) -> "Manifest":
+        """Parse and validate a manifest (`where`, its path, names it in errors): every field's type and
+        range, known values only, file names inside the bundle, and the fields' agreement with each other."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise BundleError(f"{where}: the manifest is not valid JSON ({e}); reconvert the model.") from e
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise BundleError(f"{where}: not a litekv bundle manifest.")
-        if data.get("version") not in READABLE_VERSIONS:
-            raise BundleError(f"{where}: bundle format version {data.get('version')} is not supported by this "
-                              f"litekv (it reads versions {', '.join(map(str, READABLE_VERSIONS))}); reconvert the "
-                              "model or upgrade litekv.")
-        if data["version"] >= 6 and "prefill_attention" not in data:  # only older versions default it
+        version = _version(data.get("version"), where)
+        if version >= 6 and "prefill_attention" not in data:  # only older versions default it
             raise BundleError(f"{where}: the manifest is incomplete (no prefill_attention); reconvert the model.")
-        if data["version"] < 16:  # no LM head in litekv's op before it
+        if version < 16:  # no LM head in litekv's op before it
             data.pop("lm_head_kernel", None)
-        try:
-            data.pop("format"), data.pop("version")
-            data["config"] = ModelConfig.from_dict(data["config"])
-            data["signatures"] = tuple(SignatureInfo(**{**s, "inputs": tuple(s["inputs"]),
-                                                        "outputs": tuple(s["outputs"])}) for s in data["signatures"])
-            for key in ("prefill_lengths", "kv_buckets", "lora_targets", "eos_token_ids"):
-                data[key] = tuple(data[key])
-            manifest = cls(**data)
-        except (KeyError, TypeError) as e:
-            raise BundleError(f"{where}: the manifest is incomplete ({e}); reconvert the model.") from e
-        for key in ("decode_attention", "prefill_attention", "decode_linears", "prefill_linears"):
-            if getattr(manifest, key) not in ATTENTION_KINDS:
-                raise BundleError(f"{where}: unknown {key} {getattr(manifest, key)!r}; reconvert the model.")
-        if manifest.kv_dtype not in KV_CACHE_DTYPES.values():
-            raise BundleError(f"{where}: unknown KV cache dtype {manifest.kv_dtype!r}; reconvert the model.")
-        if manifest.kv_row_scales and (manifest.kv_dtype != "int8" or manifest.backend != "litert"
-                                       or manifest.decode_attention != "kernel"
-                                       or manifest.prefill_attention != "kernel"
-                                       or manifest.kv_buckets != (manifest.max_context,)):
-            raise BundleError(f"{where}: a KV cache with row scales must be int8 on LiteRT with litekv's attention "
-                              "kernels, at one capacity; reconvert the model.")
-        if manifest.lm_head_kernel and (manifest.backend != "litert" or manifest.decode_attention != "kernel"):
-            raise BundleError(f"{where}: an LM head in litekv's linear op needs a LiteRT bundle that attends in "
-                              "litekv's kernel; reconvert the model.")
-        rows = {"litert": "BSHD", "onnx": "BHSD"}.get(manifest.backend)  # the backend's layout, keys as rows
-        if rows is None or manifest.kv_layout not in (rows, rows + "_KB8"):
-            raise BundleError(f"{where}: KV layout {manifest.kv_layout!r} is not one of the {manifest.backend!r} "
-                              "backend's; reconvert the model.")
-        if manifest.kv_layout.endswith("_KB8") and (manifest.kv_dtype != "int8" or manifest.kv_row_scales
-                                                    or manifest.decode_attention != "kernel"
-                                                    or manifest.prefill_attention != "kernel"
-                                                    or manifest.config.head_dim % 2
-                                                    or any(s % 8 for s in (manifest.max_context,
-                                                                           *manifest.kv_buckets))):
-            raise BundleError(f"{where}: keys in blocks ({manifest.kv_layout}) need a statically scaled int8 cache "
-                              "that only litekv's attention ops read, an even head_dim and capacities in whole "
-                              "blocks of 8; reconvert the model.")
-        step_kernels = "kernel" in (manifest.decode_linears, manifest.decode_attention)
-        if manifest.decode_linears == "kernel" and manifest.backend != "litert" and not manifest.decode_model_file:
-            raise BundleError(f"{where}: an ONNX bundle whose decode steps run litekv's linears needs its decode "
-                              "graph, and the manifest names none; reconvert the model.")
-        if manifest.decode_model_file and (manifest.backend != "onnx" or not step_kernels):
-            raise BundleError(f"{where}: a separate decode graph is for ONNX bundles whose decode steps run litekv's "
-                              "kernels; reconvert the model.")
-        if (manifest.backend == "onnx" and manifest.kv_dtype not in ("float32", "int8")
-                and "kernel" in (manifest.decode_attention, manifest.prefill_attention)):
-            raise BundleError(f"{where}: litekv's ONNX attention ops read a float32 or int8 cache, and this one is "
-                              f"{manifest.kv_dtype}; reconvert the model.")
+        data.pop("format"), data.pop("version")
+        manifest = cls(**_fields(data, where))
+        _check_kinds(manifest, where)
+        _check_sizes(manifest, where)
+        _check_signatures(manifest, where)
+        _check_lora(manifest, where)
         return manifest
 
 
 def read_manifest(bundle: str | Path) -> Manifest:
+    """A bundle's manifest, validated (see Manifest.from_json), every file it names a file inside the bundle
+    directory: absolute names, `..` and symlinks that lead out of it are refused."""
     path = Path(bundle) / MANIFEST
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError as e:
         raise BundleError(f"{bundle}: no {MANIFEST}; pass a directory made by `litekv convert`.") from e
     except OSError as e:
         raise BundleError(f"{path}: cannot be read ({e.strerror}).") from e
+    except UnicodeDecodeError as e:
+        raise BundleError(f"{path}: the manifest is not UTF-8 text ({e.reason}); reconvert the model.") from e
     manifest = Manifest.from_json(text, str(path))
+    root = Path(bundle)
     for name in filter(None, (manifest.model_file, manifest.decode_model_file)):
-        if not (Path(bundle) / name).exists():
-            raise BundleError(f"{bundle}: the model file {name} is missing; reconvert the model.")
+        _bundle_file(root, name, "model file")
+    if manifest.sampler_file:
+        _bundle_file(root, manifest.sampler_file, "sampler graph")
+    if manifest.backend == "onnx":  # the files ONNX Runtime opens beside the model file
+        _bundle_file(root, manifest.model_file + ".data", "weight file", required=False)
+        if manifest.lora_rank is not None:
+            _bundle_file(root, ONNX_LORA_FILE, "LoRA graph")
     return manifest
+
+
+def _bundle_file(bundle: Path, name: str, what: str, required: bool = True) -> None:
+    """Refuse a file the bundle names that resolves outside its directory, or is missing (if required)."""
+    path = bundle / name
+    try:
+        resolved, root = path.resolve(), bundle.resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop: RuntimeError before Python 3.13
+        raise BundleError(f"{bundle}: the {what} {name} cannot be resolved ({e}); reconvert the model.") from e
+    if not resolved.is_relative_to(root):
+        raise BundleError(f"{bundle}: the {what} {name} leads outside the bundle directory (to {resolved}); "
+                          "a bundle's files must be inside it: reconvert the model.")
+    if not resolved.exists():
+        if required:
+            raise BundleError(f"{bundle}: the {what} {name} is missing; reconvert the model.")
+    elif not resolved.is_file():
+        raise BundleError(f"{bundle}: the {what} {name} is not a regular file; reconvert the model.")
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:
@@ -229,3 +228,390 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _check_kinds(manifest: Manifest, where: str) -> None:
+    """The attention, linears, KV cache and LM head choices go together."""
+    for key in ("decode_attention", "prefill_attention", "decode_linears", "prefill_linears"):
+        if getattr(manifest, key) not in ATTENTION_KINDS:
+            raise BundleError(f"{where}: unknown {key} {getattr(manifest, key)!r}; reconvert the model.")
+    if manifest.kv_dtype not in KV_CACHE_DTYPES.values():
+        raise BundleError(f"{where}: unknown KV cache dtype {manifest.kv_dtype!r}; reconvert the model.")
+    if manifest.kv_row_scales and (manifest.kv_dtype != "int8" or manifest.backend != "litert"
+                                   or manifest.decode_attention != "kernel"
+                                   or manifest.prefill_attention != "kernel"
+                                   or manifest.kv_buckets != (manifest.max_context,)):
+        raise BundleError(f"{where}: a KV cache with row scales must be int8 on LiteRT with litekv's attention "
+                          "kernels, at one capacity; reconvert the model.")
+    if manifest.lm_head_kernel and (manifest.backend != "litert" or manifest.decode_attention != "kernel"):
+        raise BundleError(f"{where}: an LM head in litekv's linear op needs a LiteRT bundle that attends in "
+                          "litekv's kernel; reconvert the model.")
+    rows = {"litert": "BSHD", "onnx": "BHSD"}[manifest.backend]  # the backend's layout, keys as rows
+    if manifest.kv_layout not in (rows, rows + "_KB8"):
+        raise BundleError(f"{where}: KV layout {manifest.kv_layout!r} is not one of the {manifest.backend!r} "
+                          "backend's; reconvert the model.")
+    if manifest.kv_layout.endswith("_KB8") and (manifest.kv_dtype != "int8" or manifest.kv_row_scales
+                                                or manifest.decode_attention != "kernel"
+                                                or manifest.prefill_attention != "kernel"
+                                                or manifest.config.head_dim % 2
+                                                or any(s % 8 for s in (manifest.max_context,
+                                                                       *manifest.kv_buckets))):
+        raise BundleError(f"{where}: keys in blocks ({manifest.kv_layout}) need a statically scaled int8 cache "
+                          "that only litekv's attention ops read, an even head_dim and capacities in whole "
+                          "blocks of 8; reconvert the model.")
+    step_kernels = "kernel" in (manifest.decode_linears, manifest.decode_attention)
+    if manifest.decode_linears == "kernel" and manifest.backend != "litert" and not manifest.decode_model_file:
+        raise BundleError(f"{where}: an ONNX bundle whose decode steps run litekv's linears needs its decode "
+                          "graph, and the manifest names none; reconvert the model.")
+    if manifest.decode_model_file and (manifest.backend != "onnx" or not step_kernels):
+        raise BundleError(f"{where}: a separate decode graph is for ONNX bundles whose decode steps run litekv's "
+                          "kernels; reconvert the model.")
+    if (manifest.backend == "onnx" and manifest.kv_dtype not in ("float32", "int8")
+            and "kernel" in (manifest.decode_attention, manifest.prefill_attention)):
+        raise BundleError(f"{where}: litekv's ONNX attention ops read a float32 or int8 cache, and this one is "
+                          f"{manifest.kv_dtype}; reconvert the model.")
+
+
+def _check_sizes(manifest: Manifest, where: str) -> None:
+    """The max context fits the model, prompt lengths and capacities the max context, token ids the vocabulary."""
+    m = manifest
+    if m.max_context > m.config.max_position:
+        raise BundleError(f"{where}: max_context {m.max_context} is above config.max_position "
+                          f"{m.config.max_position}, the positions the model was trained for; reconvert the model.")
+    if m.prefill_lengths[-1] > m.max_context:
+        raise BundleError(f"{where}: prefill_lengths {list(m.prefill_lengths)} go past max_context {m.max_context}; "
+                          "reconvert the model.")
+    if m.kv_buckets[-1] != m.max_context:
+        raise BundleError(f"{where}: kv_buckets {list(m.kv_buckets)} must end at max_context {m.max_context}; "
+                          "reconvert the model.")
+    if m.bos_token_id is not None and m.bos_token_id >= m.config.vocab_size:
+        raise BundleError(f"{where}: bos_token_id {m.bos_token_id} is not below the vocab_size "
+                          f"{m.config.vocab_size}; reconvert the model.")
+
+
+def _check_signatures(manifest: Manifest, where: str) -> None:
+    """Each entry point is of a kind its backend has, at one of the capacities."""
+    m = manifest
+    kinds = SIGNATURE_KINDS[m.backend]
+    for sig in m.signatures:
+        if sig.kind not in kinds:
+            raise BundleError(f"{where}: signature {sig.name!r} is of kind {sig.kind!r}, which {m.backend} bundles "
+                              f"do not have (they have {', '.join(kinds)}); reconvert the model.")
+        if sig.kind != "sampler" and sig.capacity not in m.kv_buckets:
+            raise BundleError(f"{where}: signature {sig.name!r} has capacity {sig.capacity}, which is not one of "
+                              f"kv_buckets {list(m.kv_buckets)}; reconvert the model.")
+    if m.backend == "litert":
+        _check_litert_entry_points(m, where)
+
+
+def _check_lora(manifest: Manifest, where: str) -> None:
+    """A LoRA-ready bundle lists its targets and their input groups; any other lists none."""
+    m = manifest
+    grouped = {t for _, targets in m.lora_groups.values() for t in targets}
+    if m.lora_rank is None:
+        if m.lora_targets or m.lora_groups or any(s.lora for s in m.signatures):
+            raise BundleError(f"{where}: lora_rank is null, yet the manifest has LoRA targets, groups or entry "
+                              "points; reconvert the model.")
+    elif not m.lora_targets or grouped != set(m.lora_targets):
+        raise BundleError(f"{where}: lora_targets {list(m.lora_targets)} and the targets of lora_groups "
+                          f"{sorted(grouped)} must be the same, and not empty; reconvert the model.")
+
+
+def _check_litert_entry_points(manifest: Manifest, where: str) -> None:
+    """The names the LiteRT executor derives (prefill_<tokens>[_s<capacity>][_lora], decode..., sampler)
+    are the entry points the model has, at max context for every prefill length."""
+    m = manifest
+    names = {s.name for s in m.signatures}
+    for sig in m.signatures:
+        if sig.kind == "sampler":
+            expected = SAMPLER_SIGNATURE if (sig.tokens, sig.capacity, sig.lora) == (1, 0, False) else None
+        else:
+            base = f"prefill_{sig.tokens}" if sig.kind == "prefill" else ("decode" if sig.tokens == 1 else None)
+            suffix = ("" if sig.capacity == m.max_context else f"_s{sig.capacity}") + ("_lora" if sig.lora else "")
+            expected = base and base + suffix
+        if sig.name != expected:
+            raise BundleError(f"{where}: signature {sig.name!r} ({sig.kind}, {sig.tokens} tokens, capacity "
+                              f"{sig.capacity}, lora {str(sig.lora).lower()}) does not match its name; reconvert "
+                              "the model.")
+        if m.lora_rank is not None and not sig.lora and sig.kind != "sampler" and sig.name + "_lora" not in names:
+            raise BundleError(f"{where}: the LoRA-ready bundle has no {sig.name}_lora entry point beside "
+                              f"{sig.name}; reconvert the model.")
+    needed = ["decode", *(f"prefill_{n}" for n in m.prefill_lengths if n > 1)]
+    missing = [n for n in needed if n not in names]
+    if missing:
+        raise BundleError(f"{where}: the bundle has no {', '.join(missing)} entry point at max_context "
+                          f"{m.max_context}; reconvert the model.")
+
+
+# ---- field by field ---------------------------------------------------------------------------------
+
+def _fields(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """The Manifest's keyword arguments from the manifest's fields (format and version removed), each checked."""
+    required = [f.name for f in fields(Manifest) if f.default is MISSING and f.default_factory is MISSING]
+    _keys(where, "the manifest", data, required, _FIELD_CHECKS)
+    return {key: _FIELD_CHECKS[key](where, key, value) for key, value in data.items()}
+
+
+def _version(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BundleError(f"{where}: the manifest's version must be an integer, got {value!r}; reconvert the "
+                          "model.")
+    if value not in READABLE_VERSIONS:
+        readable = ", ".join(map(str, READABLE_VERSIONS))
+        todo = ("it was written by a newer litekv: upgrade litekv" if value > VERSION
+                else "reconvert the model with this litekv")
+        raise BundleError(f"{where}: bundle format version {value} is not supported by this litekv (it reads "
+                          f"versions {readable}); {todo}.")
+    return value
+
+
+def _bad(where: str, name: str, wanted: str, value: Any) -> BundleError:
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    return BundleError(f"{where}: {name} must be {wanted}, got {shown}; reconvert the model.")
+
+
+def _int(where: str, name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        wanted = {1: "a positive integer", 0: "a non-negative integer"}.get(minimum, f"an integer >= {minimum}")
+        raise _bad(where, name, wanted, value)
+    return value
+
+
+def _number(where: str, name: str, value: Any, zero_allowed: bool = False) -> float:
+    """A finite float (JSON may write a whole one as an int), positive or, if allowed, zero."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value < 0 or (value == 0 and not zero_allowed)):
+        raise _bad(where, name, "a finite number >= 0" if zero_allowed else "a finite positive number", value)
+    return float(value)
+
+
+def _bool(where: str, name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _bad(where, name, "true or false", value)
+    return value
+
+
+def _str(where: str, name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise _bad(where, name, "a non-empty string", value)
+    return value
+
+
+def _text(where: str, name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise _bad(where, name, "a string", value)
+    return value
+
+
+def _choice(where: str, name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise _bad(where, name, f"one of {', '.join(map(repr, choices))}", value)
+    return value
+
+
+def _optional(check):
+    """The check, or None for a JSON null."""
+    return lambda where, name, value: None if value is None else check(where, name, value)
+
+
+def _dict(where: str, name: str, value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise _bad(where, name, "a JSON object", value)
+    return value
+
+
+def _list(where: str, name: str, value: Any) -> list:
+    if not isinstance(value, list):
+        raise _bad(where, name, "a JSON list", value)
+    return value
+
+
+def _keys(where: str, name: str, data: dict, required: Any, allowed: Any) -> None:
+    missing = [k for k in required if k not in data]
+    unknown = sorted(set(data) - set(allowed))
+    if missing:
+        raise BundleError(f"{where}: {name} is incomplete (no {', '.join(missing)}); reconvert the model.")
+    if unknown:
+        raise BundleError(f"{where}: {name} has unknown fields {', '.join(unknown)}; reconvert the model.")
+
+
+def _lengths(where: str, name: str, value: Any) -> tuple[int, ...]:
+    """A non-empty, strictly increasing list of positive integers (token counts, capacities)."""
+    items = tuple(_int(where, f"{name}[{i}]", v) for i, v in enumerate(_list(where, name, value)))
+    if not items or any(a >= b for a, b in zip(items, items[1:])):
+        raise _bad(where, name, "a non-empty list of increasing positive integers", value)
+    return items
+
+
+def _token_ids(where: str, name: str, value: Any) -> tuple[int, ...]:
+    return tuple(_int(where, f"{name}[{i}]", v, 0) for i, v in enumerate(_list(where, name, value)))
+
+
+def _strings(where: str, name: str, value: Any, choices: tuple[str, ...] | None = None,
+             unique: bool = True) -> tuple[str, ...]:
+    """A list of non-empty strings (of `choices`, if given), without repeats if `unique`."""
+    items = _list(where, name, value)
+    check = _str if choices is None else partial(_choice, choices=choices)
+    out = tuple(check(where, f"{name}[{i}]", v) for i, v in enumerate(items))
+    if unique and len(set(out)) != len(out):
+        raise _bad(where, name, "a list without repeats", value)
+    return out
+
+
+def _file_sizes(where: str, name: str, value: Any) -> dict[str, int]:
+    sizes = _dict(where, name, value)
+    for key, size in sizes.items():
+        _int(where, f"{name}[{key!r}]", size, 0)
+    return sizes
+
+
+def _file_name(where: str, name: str, value: Any) -> str:
+    """A path relative to the bundle directory that stays inside it (symlinks: see read_manifest)."""
+    path = PurePosixPath(_str(where, name, value))
+    if path.is_absolute() or ".." in path.parts or str(path) == "." or any(c in value for c in "\\\0"):
+        raise _bad(where, name, "a file name inside the bundle directory", value)
+    return value
+
+
+def _fingerprint(where: str, name: str, value: Any) -> str:
+    # It names cache files (the XNNPACK weight cache): hex digits only.
+    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{8,128}", value):
+        raise _bad(where, name, "a hex digest", value)
+    return value
+
+
+def _quantization(where: str, name: str, value: Any) -> dict[str, Any]:
+    data = _dict(where, name, value)
+    _keys(where, name, data, QUANTIZATION_FORMATS, QUANTIZATION_FORMATS)
+    for key, formats in QUANTIZATION_FORMATS.items():
+        if formats is None:
+            if _int(where, f"{name}.{key}", data[key]) % 2:
+                raise _bad(where, f"{name}.{key}", "a positive even integer", data[key])
+        else:
+            _choice(where, f"{name}.{key}", data[key], formats)
+    return data
+
+
+def _lora_groups(where: str, name: str, value: Any) -> dict[str, list[list[str]]]:
+    """group name -> [projections fused in one matmul, the LoRA targets among them]"""
+    groups = _dict(where, name, value)
+    for group, pair in groups.items():
+        if not re.fullmatch(r"[a-z]+", group):  # part of the graphs' input names
+            raise _bad(where, f"{name} key", "lower-case letters", group)
+        where_pair = f"{name}.{group}"
+        if len(_list(where, where_pair, pair)) != 2:
+            raise _bad(where, where_pair, "[projections, targets]", pair)
+        parts = _strings(where, f"{where_pair}[0]", pair[0], LORA_TARGETS)
+        targets = _strings(where, f"{where_pair}[1]", pair[1], LORA_TARGETS)
+        if not targets or not set(targets) <= set(parts):
+            raise _bad(where, f"{where_pair}[1]", f"some of its projections {list(parts)}", pair[1])
+    return groups
+
+
+def _signatures(where: str, name: str, value: Any) -> tuple[SignatureInfo, ...]:
+    sigs = tuple(_signature(where, f"{name}[{i}]", s) for i, s in enumerate(_list(where, name, value)))
+    names = [s.name for s in sigs]
+    if not sigs or len(set(names)) != len(names):
+        raise _bad(where, name, "a non-empty list of entry points with distinct names", names)
+    return sigs
+
+
+def _signature(where: str, name: str, value: Any) -> SignatureInfo:
+    data = _dict(where, name, value)
+    allowed = [f.name for f in fields(SignatureInfo)]
+    _keys(where, name, data, allowed, allowed)
+    tokens = data["tokens"]
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or (tokens < 1 and tokens != -1):
+        raise _bad(where, f"{name}.tokens", "a positive integer, or -1 for any number", tokens)
+    kind = _choice(where, f"{name}.kind", data["kind"], _ALL_SIGNATURE_KINDS)
+    return SignatureInfo(name=_str(where, f"{name}.name", data["name"]), kind=kind, tokens=tokens,
+                         capacity=_int(where, f"{name}.capacity", data["capacity"], 0 if kind == "sampler" else 1),
+                         lora=_bool(where, f"{name}.lora", data["lora"]),
+                         inputs=_strings(where, f"{name}.inputs", data["inputs"]),
+                         outputs=_strings(where, f"{name}.outputs", data["outputs"]))
+
+
+def _rope(where: str, name: str, value: Any) -> dict[str, Any]:
+    data = _dict(where, name, value)
+    allowed = [f.name for f in fields(RopeConfig)]
+    _keys(where, name, data, ("theta",), allowed)
+    for key in ("theta", "factor", "low_freq_factor", "high_freq_factor"):
+        if key in data:
+            _number(where, f"{name}.{key}", data[key])
+    if "kind" in data:
+        _choice(where, f"{name}.kind", data["kind"], ROPE_KINDS)
+    if "original_max_position" in data:
+        _int(where, f"{name}.original_max_position", data["original_max_position"])
+    if data.get("kind") == "llama3" and data.get("high_freq_factor", 4.0) <= data.get("low_freq_factor", 1.0):
+        raise _bad(where, f"{name}.high_freq_factor", "above low_freq_factor for llama3 scaling",
+                   data.get("high_freq_factor"))
+    return data
+
+
+_CONFIG_CHECKS = {
+    **{key: _int for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                             "num_kv_heads", "head_dim", "max_position")},
+    **{key: _bool for key in ("tie_embeddings", "attention_bias", "qk_norm", "sandwich_norms")},
+    "architecture": _str,
+    "norm_eps": _number,
+    "embed_scale": _number,
+    "attn_scale": partial(_number, zero_allowed=True),  # 0: head_dim ** -0.5
+    "rope": _rope,
+    "local_rope": _optional(_rope),
+    "activation": partial(_choice, choices=ACTIVATIONS),
+    "sliding_window": _optional(_int),
+    "layer_types": partial(_strings, choices=LAYER_KINDS, unique=False),
+    "bos_token_id": _optional(partial(_int, minimum=0)),
+    "eos_token_ids": _token_ids,
+}
+
+
+def _config(where: str, name: str, value: Any) -> ModelConfig:
+    data = _dict(where, name, value)
+    required = [f.name for f in fields(ModelConfig) if f.default is MISSING and f.default_factory is MISSING]
+    _keys(where, name, data, required, data)  # unknown keys: ModelConfig.from_dict logs them
+    for key, check in _CONFIG_CHECKS.items():
+        if key in data:
+            check(where, f"{name}.{key}", data[key])
+    if data["head_dim"] % 2:
+        raise _bad(where, f"{name}.head_dim", "even (rotary embeddings turn pairs of dimensions)", data["head_dim"])
+    bos = data.get("bos_token_id")
+    if bos is not None and bos >= data["vocab_size"]:
+        raise _bad(where, f"{name}.bos_token_id", f"below vocab_size {data['vocab_size']}", bos)
+    try:
+        return ModelConfig.from_dict(data)
+    except ConfigError as e:  # the fields' agreement: heads, layer types, sliding window
+        raise BundleError(f"{where}: {name} is inconsistent ({str(e).rstrip('.')}); reconvert the model.") from e
+
+
+# Every manifest field: its check, which returns the value the dataclass holds.
+_FIELD_CHECKS = {
+    "backend": partial(_choice, choices=BACKENDS),
+    "model_file": _file_name,
+    "config": _config,
+    "max_context": _int,
+    "prefill_lengths": _lengths,
+    "kv_buckets": _lengths,
+    "kv_layout": _str,  # checked against the backend's layouts once the manifest is whole
+    "kv_dtype": _str,
+    "quantization": _quantization,
+    "lora_rank": _optional(_int),
+    "lora_targets": partial(_strings, choices=LORA_TARGETS),
+    "signatures": _signatures,
+    "fingerprint": _fingerprint,
+    "chat_template": _optional(_text),
+    "bos_token_id": _optional(partial(_int, minimum=0)),
+    "eos_token_ids": _token_ids,
+    "file_sizes": _file_sizes,
+    "source": _dict,
+    "sampler_file": _optional(_file_name),
+    "lora_groups": _lora_groups,
+    "lora_layout": partial(_choice, choices=LORA_LAYOUTS),
+    "decode_attention": _str,
+    "prefill_attention": _str,
+    "kv_row_scales": _bool,
+    "decode_linears": _str,
+    "prefill_linears": _str,
+    "lm_head_kernel": _bool,
+    "decode_model_file": _optional(_file_name),
+}
