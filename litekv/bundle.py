@@ -397,10 +397,16 @@ def _str(where: str, name: str, value: Any) -> str:
     return value
 
 
-def _text(where: str, name: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise _bad(where, name, "a string", value)
-    return value
+def _of_type(kind: type, what: str):
+    """A check that the value is a `kind` (described to the user as `what`)."""
+    def check(where: str, name: str, value: Any):
+        if not isinstance(value, kind):
+            raise _bad(where, name, what, value)
+        return value
+    return check
+
+
+_text = _of_type(str, "a string")
 
 
 def _choice(where: str, name: str, value: Any, choices: tuple[str, ...]) -> str:
@@ -414,16 +420,8 @@ def _optional(check):
     return lambda where, name, value: None if value is None else check(where, name, value)
 
 
-def _dict(where: str, name: str, value: Any) -> dict:
-    if not isinstance(value, dict):
-        raise _bad(where, name, "a JSON object", value)
-    return value
-
-
-def _list(where: str, name: str, value: Any) -> list:
-    if not isinstance(value, list):
-        raise _bad(where, name, "a JSON list", value)
-    return value
+_dict = _of_type(dict, "a JSON object")
+_list = _of_type(list, "a JSON list")
 
 
 def _keys(where: str, name: str, data: dict, required: Any, allowed: Any) -> None:
