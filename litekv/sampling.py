@@ -6,6 +6,8 @@ TFLite signature or in the ONNX sampler model.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 CANDIDATES = 64
@@ -33,9 +35,8 @@ def sample_token(logits: np.ndarray, temperature: float, top_k: int, top_p: floa
     """logits [V] float32 -> token id. temperature must be > 0 (use argmax for greedy)."""
     logits = np.asarray(logits, np.float32).reshape(-1)
     k = min(CANDIDATES, logits.size)
-    scaled = logits / np.float32(temperature)
-    order = np.argsort(-scaled, kind="stable")[:k]
-    values = scaled[order]
+    order = top_order(logits, np.float32(temperature), k)
+    values = logits[order] / np.float32(temperature)
     probs = np.exp(values - values[0])
     probs = probs / probs.sum(dtype=np.float32)
     top_k = k if top_k <= 0 else min(top_k, k)
@@ -45,3 +46,39 @@ def sample_token(logits: np.ndarray, temperature: float, top_k: int, top_p: floa
     target = seeded_uniform(seed) * cumulative[-1]
     choice = min(int(np.sum(cumulative <= target)), int(keep.sum()) - 1)
     return int(order[choice])
+
+
+def top_order(logits: np.ndarray, temperature: np.float32, k: int) -> np.ndarray:
+    """Indices [k] of the k largest logits / temperature, largest first, ties in index order, NaN last.
+
+    Exactly `np.argsort(-(logits / temperature), kind="stable")[:k]` for float32 logits [V], which
+    sorted all 49,152 of SmolLM2's logits every token (6.5 ms): a partition finds the k-th value,
+    and only the values above it are sorted.
+    """
+    keys, partitioned, mask = _scratch(logits.size)
+    np.divide(logits, -temperature, out=keys)  # x / -t == -(x / t) exactly: ascending keys, no negated copy
+    if k >= keys.size:
+        return np.argsort(keys, kind="stable")[:k]
+    np.copyto(partitioned, keys)
+    partitioned.partition(k - 1)
+    threshold = partitioned[k - 1]
+    if np.isnan(threshold):  # fewer than k numbers (NaN sorts last, in partition as in argsort)
+        return np.argsort(keys, kind="stable")[:k]
+    better = np.flatnonzero(np.less(keys, threshold, out=mask))  # fewer than k, in index order
+    # Ties of the k-th value keep index order, so they need no sort (a vocabulary masked to -inf
+    # but for a few tokens ties at nearly every index).
+    ties = np.flatnonzero(np.equal(keys, threshold, out=mask))[:k - better.size]
+    return np.concatenate((better[np.argsort(keys[better], kind="stable")], ties))
+
+
+_local = threading.local()
+
+
+def _scratch(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """This thread's float32, float32 and bool arrays of `size`, kept between tokens. Fresh ones cost
+    more than the selection itself: with glibc's mmap threshold pinned (keep_large_allocations_mapped),
+    each 196 KB array is a new mapping, and the selection took 494 us instead of 143."""
+    arrays = getattr(_local, "arrays", None)
+    if arrays is None or arrays[0].size != size:
+        arrays = _local.arrays = (np.empty(size, np.float32), np.empty(size, np.float32), np.empty(size, np.bool_))
+    return arrays

@@ -371,11 +371,27 @@ class StreamDecoder:
     """Turns generated ids into text as they arrive, never emitting half a character.
 
     A byte-level or byte-fallback token can hold only part of a UTF-8 character, so decoding token by
-    token would print replacement characters. We keep a small window of ids (the last emitted token
+    token would print replacement characters. We keep a small window of ids (the last emitted ones
     for context, since decoders such as the sentencepiece space-strip depend on it) and emit the
     window's new text only once it no longer ends in U+FFFD. The concatenation of everything `push`
     and `flush` return equals `decode(all_ids)` for valid UTF-8 output.
+
+    Bytes that never form a character (a model can emit lone continuation bytes forever) would keep
+    the window growing, and each push decoding all of it. Once more than HELD ids wait, all but the
+    last HELD are emitted as the decoder spells them, U+FFFD for the invalid bytes: with a byte-level
+    vocabulary that is still exactly `decode(all_ids)`. A byte-fallback decoder spells a whole run of
+    byte tokens as one U+FFFD per byte once any byte of it is invalid, changing a run that was valid
+    so far after the fact; the stream keeps what it emitted and can give a few U+FFFDs more or fewer
+    than `decode(all_ids)` (so did the unbounded window).
     """
+
+    # A UTF-8 character has at most 4 bytes and a token at least one, so a character begun in a held
+    # id is decided 3 ids later; 8 leave room for skipped special tokens, which have no bytes.
+    HELD = 8
+    # Byte-level BPE can merge bytes of two characters into one token, so valid text can end in an
+    # unfinished character at several pushes in a row; it is held, exactly, up to this many ids. Past
+    # that (a character cut at 64 token boundaries in a row), the one cut comes out as U+FFFD.
+    MAX_HELD = 64
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False) -> None:
         self._tokenizer = tokenizer
@@ -383,6 +399,7 @@ class StreamDecoder:
         self._ids: list[int] = []
         self._prefix = 0  # start of the context window
         self._read = 0  # everything before this has been emitted
+        self._context: str | None = ""  # decode(ids[prefix:read]), None until needed after a move
 
     @property
     def ids(self) -> tuple[int, ...]:
@@ -392,22 +409,44 @@ class StreamDecoder:
     def push(self, token_id: int) -> str:
         """Add one generated id; return the text it completes ("" while a character is incomplete)."""
         self._ids.append(int(token_id))
-        emitted, full = self._window_texts()
-        if len(full) > len(emitted) and not full.endswith("\ufffd"):
-            self._prefix, self._read = self._read, len(self._ids)
-            return full[len(emitted):]
+        context, full = self._window_texts()
+        if len(full) > len(context) and not full.endswith("\ufffd"):
+            self._move(len(self._ids))
+            return full[len(context):]
+        if len(self._ids) - self._read > self.HELD:
+            return self._release(context, full)
         return ""
 
     def flush(self) -> str:
         """Return whatever is still held back (e.g. at the end of generation)."""
-        emitted, full = self._window_texts()
-        self._read = len(self._ids)
-        return full[len(emitted):] if len(full) > len(emitted) else ""
+        context, full = self._window_texts()
+        self._read, self._context = len(self._ids), full
+        return full[len(context):] if len(full) > len(context) else ""
+
+    def _release(self, context: str, full: str) -> str:
+        """Emit the held ids but the last HELD once their text is final: when the window's text still
+        starts with it, their last character did not become part of a longer one."""
+        cut = len(self._ids) - self.HELD
+        text = self._decode(self._ids[self._prefix:cut])
+        if not full.startswith(text) and len(self._ids) - self._read <= self.MAX_HELD:
+            return ""
+        # The cut can fall inside a byte sequence, and a window starting there would decode its other
+        # bytes on their own (one U+FFFD each); HELD ids of context reach past any such sequence.
+        self._prefix, self._read, self._context = max(self._prefix, cut - self.HELD), cut, None
+        return text[len(context):]
+
+    def _move(self, read: int) -> None:
+        """Make the ids up to `read` emitted; the ones emitted last become the context."""
+        self._prefix, self._read, self._context = self._read, read, None
 
     def _window_texts(self) -> tuple[str, str]:
-        decode = self._tokenizer.decode
-        window = self._ids[self._prefix:]
-        return decode(window[: self._read - self._prefix], self._skip), decode(window, self._skip)
+        """(text of the context, text of the whole window); the context's is decoded once per move."""
+        if self._context is None:
+            self._context = self._decode(self._ids[self._prefix:self._read])
+        return self._context, self._decode(self._ids[self._prefix:])
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, self._skip)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -222,6 +222,17 @@ def test_litert_executor_checks_its_own_options():
         LiteRTExecutor(path, read_manifest(path), accelerator="tpu")
 
 
+def test_onnx_executor_checks_its_own_options():
+    from litekv.bundle import read_manifest
+    from litekv.executor.onnx_executor import OnnxExecutor
+
+    path = bundle(ARCH, "onnx")
+    with pytest.raises(ConfigError, match="threads must be a positive int"):
+        OnnxExecutor(path, read_manifest(path), threads=-1)
+    with pytest.raises(ConfigError, match="unknown accelerator 'tpu'"):
+        OnnxExecutor(path, read_manifest(path), accelerator="tpu")
+
+
 def foreign_caches(ex) -> dict[str, tuple[KVCache, str]]:
     """Caches another executor (or format) would make, each with a field its error must name."""
     cfg, layout = ex.config, ex.kv_layout
