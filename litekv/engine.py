@@ -15,7 +15,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from litekv.errors import Cancelled, ChatTemplateError, ConfigError, ContextFull
+from litekv.errors import Cancelled, ChatTemplateError, ConfigError, ContextFull, SessionFormatError
 from litekv.executor import SamplerParams
 from litekv.kv_cache import KVCache
 from litekv.sampling import sample_token
@@ -145,8 +145,12 @@ class Engine:
             raise ConfigError(f"the session used LoRA adapter {state.lora_name!r}; load it with engine.load_lora "
                               "before loading the session.")
         s = state.sampler
-        session = Session(self, SamplerConfig(s.temperature, s.top_k, s.top_p, s.repetition_penalty, s.seed),
-                          state.lora_name)
+        try:
+            sampler = SamplerConfig(s.temperature, s.top_k, s.top_p, s.repetition_penalty, s.seed)
+        except ConfigError as e:  # a damaged or hand-edited file: say which
+            raise SessionFormatError(f"{path} holds sampler settings litekv cannot use: {e} The file is damaged or "
+                                     "was edited; save the session again.") from e
+        session = Session(self, sampler, state.lora_name)
         session.kv_cache.load(state.kv_cache)
         session._tokens = list(state.tokens)
         if session._tokens and session.kv_cache.num_tokens == len(session._tokens):

@@ -144,6 +144,20 @@ def test_load_session_refuses_ids_outside_the_vocabulary(tmp_path):
         engine.load_session(path)
 
 
+@pytest.mark.parametrize("sampler", [SamplerState(float("nan"), 0, 1.0, 1.0, 0, 3),
+                                     SamplerState(0.5, 0, 1.0, float("inf"), 0, 3),
+                                     SamplerState(0.5, 0, 0.0, 1.0, 0, 3)])
+def test_load_session_names_the_file_whose_sampler_settings_are_unusable(tmp_path, sampler):
+    engine = reference_engine()
+    path = tmp_path / "edited.lkvs"
+    cache = engine.executor.create_kv_cache()
+    engine.executor.prefill([5, 6], cache)
+    write_session(path, SessionState(engine.fingerprint, engine.backend, np.array([5, 6, 7], np.int32),
+                                     cache.serialize(), sampler))
+    with pytest.raises(SessionFormatError, match=r"edited\.lkvs holds sampler settings"):
+        engine.load_session(path)
+
+
 def test_load_session_refuses_negative_ids_naming_the_file(tmp_path):
     from test_session_file import build_checksummed, raw_values
 
