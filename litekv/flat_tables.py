@@ -32,9 +32,19 @@ class FlatTableError(ValueError):
     """The bytes are not a well-formed table of the expected schema."""
 
 
+def max_table_bytes() -> int:
+    """The largest table `build` can write: the flatbuffers builder's limit (2 GiB), read at call
+    time so callers can check a size before they copy anything."""
+    return flatbuffers.Builder.MAX_BUFFER_SIZE
+
+
+# What `build` reserves beyond the vectors' bytes: vtable, scalars, short strings.
+TABLE_OVERHEAD = 1024
+
+
 def build(fields: Sequence[Field], values: Mapping[str, Any], identifier: bytes) -> bytes:
-    builder = flatbuffers.Builder(1024 + sum(np.asarray(v).nbytes for k, v in values.items()
-                                             if isinstance(v, np.ndarray)))
+    builder = flatbuffers.Builder(TABLE_OVERHEAD + sum(np.asarray(v).nbytes for k, v in values.items()
+                                                       if isinstance(v, np.ndarray)))
     offsets: dict[str, int] = {}
     for name, kind in fields:  # vectors and strings must be written before the table starts
         value = values.get(name)

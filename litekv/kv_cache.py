@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from litekv.errors import ConfigError, LitekvError
-from litekv.flat_tables import FlatTableError, build, parse
+from litekv.flat_tables import TABLE_OVERHEAD, FlatTableError, build, max_table_bytes, parse
 
 LAYOUTS = ("BSHD", "BHSD", "BSHD_KB8", "BHSD_KB8")
 # *_KB8: int8 keys stored in blocks of KEY_BLOCK_SLOTS slots, per KV head each dimension pair's codes
@@ -486,6 +486,7 @@ class KVCache:
         """Flatbuffer (litekv/schema/kv_cache.fbs) of the valid tokens in canonical layout, checksummed."""
         self._check_valid()
         n = self.num_tokens
+        self._check_serializable(n)
         header = dict(version=FORMAT_VERSION if self.row_scales else 1, layout=SERIALIZED_LAYOUT, dtype=str(self.dtype),
                       num_layers=self.num_layers,
                       batch_size=self.batch_size, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
@@ -499,6 +500,18 @@ class KVCache:
         checksum = _checksum(header, raw_keys, raw_values, scales.get("key_scales"), scales.get("value_scales"))
         return build(SCHEMA, {**header, "keys": raw_keys, "values": raw_values, "checksum": checksum, **scales},
                      IDENTIFIER)
+
+    def _check_serializable(self, n: int) -> None:
+        """Refuse, before copying anything, a cache whose n tokens do not fit the flatbuffer format."""
+        per_token = serialized_bytes_per_token(self.num_layers, self.batch_size, self.num_kv_heads, self.head_dim,
+                                               self.dtype, self.row_scales)
+        limit = max_table_bytes() - TABLE_OVERHEAD
+        if n * per_token > limit:
+            raise KVCacheError(
+                f"cannot serialize the KV cache: its {n} tokens take {n * per_token / 2**30:.2f} GiB, over the "
+                f"{max_table_bytes() / 2**30:g} GiB limit of litekv's serialized cache format (only the live tokens "
+                f"are written, at most {limit // per_token} of this cache fit). Save a shorter context (e.g. rewind "
+                f"the session) or a smaller batch.")
 
     def _valid_bytes(self, buffers: list[np.ndarray], blocked: bool = False) -> np.ndarray:
         """Every layer's valid tokens of one kind of buffer, canonical order, as contiguous bytes."""
@@ -586,6 +599,14 @@ def block_keys(rows: np.ndarray) -> np.ndarray:
 def unblock_keys(blocks: np.ndarray) -> np.ndarray:
     """block_keys' inverse: keys in block order, in the shape block_keys returned, as rows."""
     return np.ascontiguousarray(key_block_view(blocks)).reshape(blocks.shape)
+
+
+def serialized_bytes_per_token(num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int, dtype,
+                               row_scales: bool) -> int:
+    """Bytes one token adds to `KVCache.serialize`: keys and values of every layer and row, plus their
+    float32 row scales when the cache has them."""
+    per_head = 2 * head_dim * np.dtype(dtype).itemsize + (2 * 4 if row_scales else 0)
+    return num_layers * batch_size * num_kv_heads * per_head
 
 
 def _row_scale_buffer(batch_size: int, num_kv_heads: int, capacity: int) -> np.ndarray:

@@ -15,7 +15,7 @@ import numpy as np
 from litekv import kv_cache
 from litekv.bundle import write_atomic
 from litekv.errors import SessionFormatError
-from litekv.flat_tables import FlatTableError, build, parse
+from litekv.flat_tables import TABLE_OVERHEAD, FlatTableError, build, max_table_bytes, parse
 
 FORMAT_VERSION = 1
 IDENTIFIER = b"LKVS"
@@ -69,6 +69,12 @@ def encode_session(state: SessionState) -> bytes:
         raise SessionFormatError(f"{_SAVE}: token ids must be in 0..2**31-1.")
     kv = np.frombuffer(state.kv_cache, np.uint8)
     _check_contents(state.fingerprint, tokens, kv, None, _SAVE)
+    size = TABLE_OVERHEAD + kv.nbytes + 4 * tokens.size + len(state.fingerprint) + len(state.lora_name or "")
+    if size > max_table_bytes():
+        raise SessionFormatError(
+            f"{_SAVE}: it takes {size / 2**30:.2f} GiB ({len(tokens)} tokens and their KV cache), over the "
+            f"{max_table_bytes() / 2**30:g} GiB limit of litekv's session format; save a shorter context "
+            "(e.g. rewind the session first).")
     s = state.sampler
     values = dict(version=FORMAT_VERSION, fingerprint=state.fingerprint, backend=state.backend,
                   tokens=tokens.astype(np.int32), kv_cache=kv, sampler_temperature=s.temperature,
