@@ -17,6 +17,7 @@ from typing import Any
 
 from litekv.errors import ConfigError, LitekvError
 from litekv.models.config import ACTIVATIONS, LAYER_KINDS, ModelConfig, RopeConfig
+from litekv.validation import is_int
 
 MANIFEST = "litekv.json"
 FORMAT = "litekv-bundle"
@@ -353,7 +354,7 @@ def _fields(data: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _version(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise BundleError(f"{where}: the manifest's version must be an integer, got {value!r}; reconvert the "
                           "model.")
     if value not in READABLE_VERSIONS:
@@ -371,7 +372,7 @@ def _bad(where: str, name: str, wanted: str, value: Any) -> BundleError:
 
 
 def _int(where: str, name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value) or value < minimum:
         wanted = {1: "a positive integer", 0: "a non-negative integer"}.get(minimum, f"an integer >= {minimum}")
         raise _bad(where, name, wanted, value)
     return value
@@ -519,7 +520,7 @@ def _signature(where: str, name: str, value: Any) -> SignatureInfo:
     allowed = [f.name for f in fields(SignatureInfo)]
     _keys(where, name, data, allowed, allowed)
     tokens = data["tokens"]
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or (tokens < 1 and tokens != -1):
+    if not is_int(tokens) or (tokens < 1 and tokens != -1):
         raise _bad(where, f"{name}.tokens", "a positive integer, or -1 for any number", tokens)
     kind = _choice(where, f"{name}.kind", data["kind"], _ALL_SIGNATURE_KINDS)
     return SignatureInfo(name=_str(where, f"{name}.name", data["name"]), kind=kind, tokens=tokens,

@@ -20,6 +20,7 @@ from litekv.executor import SamplerParams
 from litekv.kv_cache import KVCache
 from litekv.sampling import sample_token
 from litekv.tokenizer import Tokenizer
+from litekv.validation import is_int
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ class Session:
 
     def rewind(self, num_tokens: int) -> None:
         """Forget the last `num_tokens` tokens (their KV rows are simply no longer counted)."""
-        if not _is_int(num_tokens):
+        if not is_int(num_tokens):
             raise ConfigError(f"rewind takes a whole number of tokens, got {num_tokens!r}.")
         if not 0 <= num_tokens <= len(self._tokens):
             raise ConfigError(f"cannot rewind {num_tokens} tokens of {len(self._tokens)}.")
@@ -240,7 +241,7 @@ class Session:
         except TypeError as e:
             raise ConfigError(f"expected text (a str) or a sequence of token ids, got {type(ids).__name__}.") from e
         for t in items:
-            if not _is_int(t):
+            if not is_int(t):
                 raise ConfigError(f"token ids must be ints, got {t!r}; pass text as one str, or encode it with "
                                   "engine.tokenizer.encode.")
             if not 0 <= t < vocab:
@@ -538,17 +539,11 @@ def apply_repetition_penalty(logits: np.ndarray, context: Sequence[int], penalty
     return out
 
 
-def _is_int(value: object) -> bool:
-    """An int or numpy integer; bool is refused (True is not a token id or a count)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
 def _check_max_new_tokens(max_new_tokens: object) -> None:
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be a whole number of at least 1, got {max_new_tokens!r}.")
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     shifted = logits - logits.max()
     return (shifted - np.log(np.exp(shifted).sum(dtype=np.float32))).astype(np.float32)
-

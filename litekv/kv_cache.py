@@ -27,6 +27,7 @@ import numpy as np
 
 from litekv.errors import ConfigError, LitekvError
 from litekv.flat_tables import TABLE_OVERHEAD, FlatTableError, build, max_table_bytes, parse
+from litekv.validation import is_int
 
 LAYOUTS = ("BSHD", "BHSD", "BSHD_KB8", "BHSD_KB8")
 # *_KB8: int8 keys stored in blocks of KEY_BLOCK_SLOTS slots, per KV head each dimension pair's codes
@@ -306,7 +307,7 @@ class KVCache:
         """`layer`, checked to be one of this (unreleased) cache's."""
         self._check_valid()
         count = len(self._s.keys)
-        if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool) and 0 <= layer < count:
+        if is_int(layer) and 0 <= layer < count:
             return layer
         raise KVCacheError(f"layer {layer!r} does not exist: this cache has layers 0..{count - 1}.")
 

@@ -15,6 +15,7 @@ from typing import Iterator
 import numpy as np
 
 from litekv.errors import CheckpointError, UnsupportedTensorType
+from litekv.validation import is_int
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
@@ -66,10 +67,10 @@ class SafetensorsFile:
         if not isinstance(dtype, str) or dtype not in _DTYPES:
             raise UnsupportedTensorType(f"{self.path}: tensor {name!r} has dtype {dtype!r}, which litekv cannot "
                                         f"read (known: {', '.join(_DTYPES)}).")
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
             raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers; "
                                   "the file is damaged.")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))):
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_int, offsets))):
             raise CheckpointError(f"{where}: data_offsets {offsets!r} is not two integers; the file is damaged.")
         begin, end = offsets
         nbytes = math.prod(shape) * np.dtype(_DTYPES[dtype]).itemsize  # Python ints: no overflow
@@ -107,7 +108,3 @@ class SafetensorsFile:
     def items(self) -> Iterator[tuple[str, np.ndarray]]:
         for name in self._entries:
             yield name, self.read(name)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not a size

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
-from numbers import Integral, Real
+from numbers import Real
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -25,6 +25,7 @@ from litekv.kv_cache import KVCache, KVCacheError, KVCacheFormat
 from litekv.models.config import ModelConfig
 from litekv.resident_pages import ModelFilePages, keep_large_allocations_mapped
 from litekv.sampling import step_seed
+from litekv.validation import is_int
 
 from .lora import LoraAdapter, LoraError, load_peft_adapter
 from .prefill_plan import Chunk, plan_prefill
@@ -41,11 +42,6 @@ TOP_K_MAX = 2**31 - 1  # the sampler graphs' top_k input is int32
 SEED_MAX = 2**63 - 1
 
 
-def _is_int(value: object) -> bool:
-    """An int (numpy's too), not a bool."""
-    return type(value) is int or (isinstance(value, Integral) and not isinstance(value, (bool, np.bool_)))
-
-
 def _number(name: str, value: object) -> float:
     """A sampler field that must be a finite real number, as a float."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, Real):
@@ -57,7 +53,7 @@ def _number(name: str, value: object) -> float:
 
 def _whole(name: str, value: object, high: int, meaning: str) -> int:
     """A sampler field that must be an int in 0..high, as an int."""
-    if not _is_int(value):
+    if not is_int(value):
         raise ConfigError(f"sampler {name} must be an int ({meaning}), got {value!r}.")
     if not 0 <= value <= high:
         raise ConfigError(f"sampler {name} must lie in 0..{high} ({meaning}), got {value!r}.")
@@ -142,7 +138,7 @@ def check_threads(threads: object, name: str = "threads") -> int | None:
     """`threads`: None (the backend's default) or a positive int; returned as an int."""
     if threads is None:
         return None
-    if not _is_int(threads) or threads < 1:
+    if not is_int(threads) or threads < 1:
         raise ConfigError(f"{name} must be a positive int, or None for the default, got {threads!r}.")
     return int(threads)
 
@@ -444,7 +440,7 @@ class InternalSamplerExecutor(ExecutorBase):
         feeds the previous step's sample. A cancel stops at the next step and raises `Cancelled`;
         the cache then holds every token that was fed in.
         """
-        if not _is_int(num_steps) or num_steps < 1:
+        if not is_int(num_steps) or num_steps < 1:
             raise ConfigError(f"num_steps must be an int of at least 1, got {num_steps!r}.")
         sampler = sampler_params(sampler)
         tokens = self._step_tokens(inputs, kv_cache)
@@ -469,4 +465,3 @@ class InternalSamplerExecutor(ExecutorBase):
     def _sample(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None,
                 sampler: SamplerParams) -> np.ndarray:
         """Feed one token per row at position num_tokens; return the sampled next tokens [batch] int32."""
-

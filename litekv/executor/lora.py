@@ -17,6 +17,7 @@ import numpy as np
 from litekv.errors import CheckpointError, LitekvError
 from litekv.models.config import ModelConfig
 from litekv.safetensors_reader import SafetensorsFile
+from litekv.validation import is_int
 
 # PEFT module names -> our canonical projection names.
 _MODULES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o"}
@@ -121,7 +122,7 @@ def _read_config(config_path: Path) -> _PeftConfig:
 
 
 def _rank(config_path: Path, field: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_int(value) or value < 1:
         raise LoraError(f"{config_path}: {field} must be a positive integer, got {value!r}; "
                         "fix the file or save the adapter again with PEFT.")
     return value
