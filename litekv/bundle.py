@@ -10,13 +10,15 @@ import math
 import os
 import re
 import tempfile
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, InitVar, asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from litekv.errors import ConfigError, LitekvError
 from litekv.models.config import ACTIVATIONS, LAYER_KINDS, ModelConfig, RopeConfig
+from litekv.onnx_external_data import external_tensors
+from litekv.tokenizer import META_FILE, TOKENIZER_FILE
 from litekv.validation import is_int
 
 MANIFEST = "litekv.json"
@@ -132,6 +134,19 @@ class Manifest:
     lm_head_kernel: bool = False
     # ONNX: the graph decode steps run, beside `model_file` and over its weight file (decode_linears "kernel")
     decode_model_file: str | None = None
+    # Names the manifest in errors: its path (from_json); None: built in code.
+    where: InitVar[str | None] = None
+
+    def __post_init__(self, where: str | None) -> None:
+        # However it is made (read from a bundle or built in code), every manifest passes the same checks;
+        # each field's check also normalizes it (lists to tuples, JSON objects to SignatureInfo, ModelConfig).
+        where = where or "a Manifest built in code"
+        for key, check in _FIELD_CHECKS.items():
+            object.__setattr__(self, key, check(where, key, getattr(self, key)))
+        _check_kinds(self, where)
+        _check_sizes(self, where)
+        _check_signatures(self, where)
+        _check_lora(self, where)
 
     @property
     def uses_attention_kernel(self) -> bool:
@@ -165,12 +180,8 @@ class Manifest:
         if version < 16:  # no LM head in litekv's op before it
             data.pop("lm_head_kernel", None)
         data.pop("format"), data.pop("version")
-        manifest = cls(**_fields(data, where))
-        _check_kinds(manifest, where)
-        _check_sizes(manifest, where)
-        _check_signatures(manifest, where)
-        _check_lora(manifest, where)
-        return manifest
+        _keys(where, "the manifest", data, _required(cls), _FIELD_CHECKS)
+        return cls(**data, where=where)  # __post_init__ checks the fields
 
 
 def read_manifest(bundle: str | Path) -> Manifest:
@@ -195,7 +206,30 @@ def read_manifest(bundle: str | Path) -> Manifest:
         _bundle_file(root, manifest.model_file + ".data", "weight file", required=False)
         if manifest.lora_rank is not None:
             _bundle_file(root, ONNX_LORA_FILE, "LoRA graph")
+    # Engine reads these (Tokenizer.load, which says if they are missing); executors run without them.
+    _bundle_file(root, TOKENIZER_FILE, "tokenizer", required=False)
+    _bundle_file(root, META_FILE, "tokenizer metadata", required=False)
     return manifest
+
+
+def check_onnx_graph(bundle: str | Path, name: str, what: str) -> Path:
+    """The path of the bundle's ONNX graph `name` (its `what`), once it and every external data file its tensors
+    name are found inside the bundle directory: ONNX Runtime opens those wherever their locations lead."""
+    root = Path(bundle)
+    _bundle_file(root, name, what)
+    path = root / name
+    try:
+        tensors = external_tensors(path)
+    except (OSError, ValueError) as e:
+        raise BundleError(f"{path}: the {what} is not a readable ONNX model ({e}); reconvert the model.") from e
+    checked = set()
+    for tensor, location in tensors:
+        if location not in checked:  # one file holds many tensors
+            _file_name(str(path), f"the external data location of tensor {tensor!r}", location)
+            _bundle_file(root, str(PurePosixPath(name).parent / location),
+                         f"external data file of {name}'s tensor {tensor!r}:")
+            checked.add(location)
+    return path
 
 
 def _bundle_file(bundle: Path, name: str, what: str, required: bool = True) -> None:
@@ -251,15 +285,15 @@ def _check_kinds(manifest: Manifest, where: str) -> None:
     if manifest.kv_layout not in (rows, rows + "_KB8"):
         raise BundleError(f"{where}: KV layout {manifest.kv_layout!r} is not one of the {manifest.backend!r} "
                           "backend's; reconvert the model.")
+    # (keys move a dimension pair at a time: ModelConfig refuses an odd head_dim)
     if manifest.kv_layout.endswith("_KB8") and (manifest.kv_dtype != "int8" or manifest.kv_row_scales
                                                 or manifest.decode_attention != "kernel"
                                                 or manifest.prefill_attention != "kernel"
-                                                or manifest.config.head_dim % 2
                                                 or any(s % 8 for s in (manifest.max_context,
                                                                        *manifest.kv_buckets))):
         raise BundleError(f"{where}: keys in blocks ({manifest.kv_layout}) need a statically scaled int8 cache "
-                          "that only litekv's attention ops read, an even head_dim and capacities in whole "
-                          "blocks of 8; reconvert the model.")
+                          "that only litekv's attention ops read and capacities in whole blocks of 8; "
+                          "reconvert the model.")
     step_kernels = "kernel" in (manifest.decode_linears, manifest.decode_attention)
     if manifest.decode_linears == "kernel" and manifest.backend != "litert" and not manifest.decode_model_file:
         raise BundleError(f"{where}: an ONNX bundle whose decode steps run litekv's linears needs its decode "
@@ -346,13 +380,6 @@ def _check_litert_entry_points(manifest: Manifest, where: str) -> None:
 
 # ---- field by field ---------------------------------------------------------------------------------
 
-def _fields(data: dict[str, Any], where: str) -> dict[str, Any]:
-    """The Manifest's keyword arguments from the manifest's fields (format and version removed), each checked."""
-    required = [f.name for f in fields(Manifest) if f.default is MISSING and f.default_factory is MISSING]
-    _keys(where, "the manifest", data, required, _FIELD_CHECKS)
-    return {key: _FIELD_CHECKS[key](where, key, value) for key, value in data.items()}
-
-
 def _version(value: Any, where: str) -> int:
     if not is_int(value):
         raise BundleError(f"{where}: the manifest's version must be an integer, got {value!r}; reconvert the "
@@ -398,7 +425,7 @@ def _str(where: str, name: str, value: Any) -> str:
     return value
 
 
-def _of_type(kind: type, what: str):
+def _of_type(kind: type | tuple[type, ...], what: str):
     """A check that the value is a `kind` (described to the user as `what`)."""
     def check(where: str, name: str, value: Any):
         if not isinstance(value, kind):
@@ -422,7 +449,12 @@ def _optional(check):
 
 
 _dict = _of_type(dict, "a JSON object")
-_list = _of_type(list, "a JSON list")
+_list = _of_type((list, tuple), "a JSON list")  # tuples: a Manifest built in code
+
+
+def _required(cls: type) -> list[str]:
+    """A dataclass's fields without a default."""
+    return [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
 
 
 def _keys(where: str, name: str, data: dict, required: Any, allowed: Any) -> None:
@@ -516,7 +548,7 @@ def _signatures(where: str, name: str, value: Any) -> tuple[SignatureInfo, ...]:
 
 
 def _signature(where: str, name: str, value: Any) -> SignatureInfo:
-    data = _dict(where, name, value)
+    data = asdict(value) if isinstance(value, SignatureInfo) else _dict(where, name, value)
     allowed = [f.name for f in fields(SignatureInfo)]
     _keys(where, name, data, allowed, allowed)
     tokens = data["tokens"]
@@ -566,20 +598,16 @@ _CONFIG_CHECKS = {
 
 
 def _config(where: str, name: str, value: Any) -> ModelConfig:
-    data = _dict(where, name, value)
-    required = [f.name for f in fields(ModelConfig) if f.default is MISSING and f.default_factory is MISSING]
-    _keys(where, name, data, required, data)  # unknown keys: ModelConfig.from_dict logs them
+    """The config, checked in its JSON form, also one built in code (whose own checks leave the types to its
+    builder), then built again from that form, as reading the manifest would."""
+    data = value.to_dict() if isinstance(value, ModelConfig) else _dict(where, name, value)
+    _keys(where, name, data, _required(ModelConfig), data)  # unknown keys: ModelConfig.from_dict logs them
     for key, check in _CONFIG_CHECKS.items():
         if key in data:
             check(where, f"{name}.{key}", data[key])
-    if data["head_dim"] % 2:
-        raise _bad(where, f"{name}.head_dim", "even (rotary embeddings turn pairs of dimensions)", data["head_dim"])
-    bos = data.get("bos_token_id")
-    if bos is not None and bos >= data["vocab_size"]:
-        raise _bad(where, f"{name}.bos_token_id", f"below vocab_size {data['vocab_size']}", bos)
     try:
         return ModelConfig.from_dict(data)
-    except ConfigError as e:  # the fields' agreement: heads, layer types, sliding window
+    except ConfigError as e:  # the fields' agreement: head_dim, heads, layer types, sliding window, BOS
         raise BundleError(f"{where}: {name} is inconsistent ({str(e).rstrip('.')}); reconvert the model.") from e
 
 

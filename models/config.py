@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from litekv.errors import ConfigError
+from litekv.validation import is_int
 
 log = logging.getLogger("litekv.config")
 
@@ -113,6 +114,12 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{self.architecture} config: {name} must be a positive integer, got {value!r}.")
+        if self.head_dim % 2:
+            raise ConfigError(f"{self.architecture} config.head_dim must be even (rotary embeddings turn pairs of "
+                              f"dimensions), got {self.head_dim}.")
+        if is_int(self.bos_token_id) and self.bos_token_id >= self.vocab_size:
+            raise ConfigError(f"{self.architecture} config.bos_token_id must be below vocab_size {self.vocab_size}, "
+                              f"got {self.bos_token_id}.")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"{self.architecture} config: num_heads ({self.num_heads}) must be a multiple of "

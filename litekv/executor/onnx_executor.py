@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from litekv import native_attention
-from litekv.bundle import HEAD_KEEP_INPUT, SAMPLER_INPUTS, BundleError, Manifest
+from litekv.bundle import HEAD_KEEP_INPUT, ONNX_LORA_FILE, SAMPLER_INPUTS, BundleError, Manifest, check_onnx_graph
 from litekv.errors import AcceleratorUnavailable, BackendError, Cancelled, MissingDependency
 from litekv.kv_cache import KVCache, aligned_zeros
 from litekv.resident_pages import FileMappings, ModelFilePages, mapped_ranges
@@ -92,26 +92,32 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         self.accelerator, providers = choose_providers(accelerator)
         options = _session_options(ort, threads)
         bundle = Path(bundle)
+        # Each graph and the external data it names inside the bundle, whoever made the manifest, before ONNX
+        # Runtime follows those names.
+        model_path = check_onnx_graph(bundle, manifest.model_file, "model file")
+        decode_path = (check_onnx_graph(bundle, manifest.decode_model_file, "model file")
+                       if manifest.decode_model_file else None)
+        sampler_path = (check_onnx_graph(bundle, manifest.sampler_file, "sampler graph")
+                        if manifest.sampler_file else None)
         self._bundle, self._threads, self._providers = bundle, threads, providers
         self._lora_session = None  # the LoRA graph, opened when the first adapter is loaded
         data_file = bundle / (manifest.model_file + ".data")
         mapped_before = mapped_ranges(data_file)  # other sessions of this file in the process: not ours
         kernel = self._kernel = self._kernels(bundle, manifest, threads)
         try:
-            self.session = self._session(bundle / manifest.model_file, options, kernel)
+            self.session = self._session(model_path, options, kernel)
             # Decode steps run their own graph where it has one (litekv's kernels), else the same.
             self.decode_session = self.session
-            if manifest.decode_model_file:
+            if decode_path:
                 # one thread where litekv's kernels do the matmuls; ONNX Runtime's own want its pool
                 decode_threads = DECODE_GRAPH_THREADS if manifest.decode_linears == "kernel" else threads
-                self.decode_session = self._session(bundle / manifest.decode_model_file,
-                                                    _session_options(ort, decode_threads), kernel)
-            self.sampler = (ort.InferenceSession(str(bundle / manifest.sampler_file), _session_options(ort, 1),
-                                                 providers=providers) if manifest.sampler_file else None)
+                self.decode_session = self._session(decode_path, _session_options(ort, decode_threads), kernel)
+            self.sampler = (ort.InferenceSession(str(sampler_path), _session_options(ort, 1), providers=providers)
+                            if sampler_path else None)
         except Exception as e:  # onnxruntime raises its own exception types
             if self.accelerator != "cpu":
                 raise AcceleratorUnavailable(self.accelerator, str(e)) from e
-            raise BackendError(f"onnxruntime could not load {bundle / manifest.model_file}: {e}") from e
+            raise BackendError(f"onnxruntime could not load {model_path}: {e}") from e
         self._sampler_io = _SamplerBinding(ort, self.sampler) if self.sampler is not None else None
         if self.accelerator == "cpu" and data_file.exists():
             # ONNX Runtime maps each external initializer privately and writable, and runs on its
@@ -158,7 +164,7 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         if adapter is None or self.lora_rank is None:
             return {}
         if self._lora_session is None:
-            path = self._bundle / "model_lora.onnx"
+            path = check_onnx_graph(self._bundle, ONNX_LORA_FILE, "LoRA graph")
             try:
                 # options of its own: litekv's ops register once per SessionOptions
                 self._lora_session = self._session(path, _session_options(self._ort, self._threads), self._kernel)
