@@ -12,14 +12,17 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
+from litekv import bundle_swap
 from litekv.bundle import (ATTENTION_KINDS, BACKENDS, KV_CACHE_DTYPES, KV_CACHE_FORMATS, MANIFEST, SAMPLER_SIGNATURE,
                            Manifest, SignatureInfo, write_atomic)
+from litekv.durable import directory_in_use, exclusive_lock, fsync_path, hold_directory, replace_durably
 from litekv.errors import ConfigError, LitekvError
 from litekv.models.config import ModelConfig
 
@@ -404,22 +407,16 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions = Co
 
     The bundle is assembled in a temporary directory beside `output`, flushed to disk and moved into
     place only when complete, so a failure never leaves a half-written bundle, and an existing bundle
-    at `output` stays until the new one has replaced it.
+    at `output` stays until the new one has replaced it. What a killed conversion to `output` left is
+    recovered first (see _staging) and tidied once the new bundle is in place.
     """
     output = Path(output)
     parent = _writable_parent(output)
     started = time.perf_counter()
     bar = ProgressBar(enabled=show_progress)
-    ckpt = load_checkpoint(source, progress=bar.stage("loading weights"))
-    cfg = ckpt.config
-    if options.key_blocks and cfg.head_dim % 2:
-        raise ConfigError(f"--kv-key-blocks moves keys a dimension pair at a time; {cfg.architecture}'s head_dim "
-                          f"{cfg.head_dim} is odd: convert without it.")
-    if options.max_context > cfg.max_position:
-        raise ConfigError(f"--max-context {options.max_context} exceeds what {cfg.architecture} was trained for "
-                          f"({cfg.max_position}).")
-    staging = Path(tempfile.mkdtemp(dir=parent, prefix=f".{output.name}.partial-"))
-    try:
+    with _staging(output, parent) as staging:
+        ckpt = load_checkpoint(source, progress=bar.stage("loading weights"))
+        _check_fits(ckpt.config, options)
         manifest = _emit(ckpt, options, staging, bar)
         ckpt.tokenizer.save(staging)
         elapsed = time.perf_counter() - started
@@ -427,12 +424,50 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions = Co
                                                         "convert_seconds": round(elapsed, 2)})
         write_atomic(staging / MANIFEST, manifest.to_json())
         _fsync_tree(staging)
-        _swap_into_place(staging, output, parent)
+        _publish(staging, output, parent)
+    bar.done(f"wrote {output} in {time.perf_counter() - started:.1f}s")
+    return output
+
+
+def _check_fits(cfg: ModelConfig, options: ConvertOptions) -> None:
+    if options.key_blocks and cfg.head_dim % 2:
+        raise ConfigError(f"--kv-key-blocks moves keys a dimension pair at a time; {cfg.architecture}'s head_dim "
+                          f"{cfg.head_dim} is odd: convert without it.")
+    if options.max_context > cfg.max_position:
+        raise ConfigError(f"--max-context {options.max_context} exceeds what {cfg.architecture} was trained for "
+                          f"({cfg.max_position}).")
+
+
+@contextmanager
+def _staging(output: Path, parent: Path) -> Iterator[Path]:
+    """A new directory beside `output` to assemble the bundle in, removed on failure. It is held
+    (see directory_in_use) while this conversion runs, so another one to `output` does not take it
+    for a killed run's. A bundle a killed conversion left aside is put back at `output` first."""
+    with exclusive_lock(bundle_swap.lock_file(output)):
+        _restore_previous(output, parent)
+        staging = Path(tempfile.mkdtemp(dir=parent, prefix=bundle_swap.prefix(output, bundle_swap.STAGING)))
+        held = hold_directory(staging)
+    try:
+        yield staging
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    bar.done(f"wrote {output} in {time.perf_counter() - started:.1f}s")
-    return output
+    finally:
+        os.close(held)
+
+
+def _restore_previous(output: Path, parent: Path) -> None:
+    """Killed between _swap_into_place's two renames, a conversion left no bundle at `output` and the
+    previous one aside: put it back, so it is there whether or not this conversion succeeds."""
+    previous = bundle_swap.previous_bundle(output)
+    if previous is None:
+        return
+    try:
+        replace_durably(previous, output)
+    except OSError as e:
+        raise ConfigError(f"an interrupted conversion left the previous bundle of {output} at {previous}, and "
+                          f"moving it back failed ({e.strerror or e}). Check the permissions of {parent} "
+                          "and convert again.") from e
 
 
 def _fsync_tree(directory: Path) -> None:
@@ -440,26 +475,32 @@ def _fsync_tree(directory: Path) -> None:
     (onnx.save_model does not fsync), so the rename that publishes the bundle publishes data."""
     for root, _dirs, files in os.walk(directory, topdown=False):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(root))
+            fsync_path(os.path.join(root, name))
+        fsync_path(root)
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _publish(staging: Path, output: Path, parent: Path) -> None:
+    """Move the finished bundle into place, then remove what killed conversions to `output` left,
+    one conversion at a time."""
+    with exclusive_lock(bundle_swap.lock_file(output)):
+        _swap_into_place(staging, output, parent)
+        fsync_path(parent)
+        _remove_stale(output)
+
+
+def _remove_stale(output: Path) -> None:
+    """With the new bundle in place, every aside copy is stale, and so is every staging directory
+    no live conversion holds."""
+    stale = bundle_swap.copies(output, bundle_swap.ASIDE)
+    stale += [p for p in bundle_swap.copies(output, bundle_swap.STAGING) if not directory_in_use(p)]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _swap_into_place(staging: Path, output: Path, parent: Path) -> None:
     """Move the finished bundle `staging` to `output`. An existing bundle is renamed aside first and
-    deleted only once the new one is in place, and put back if that fails: a crash leaves one of them,
-    never neither (between the two renames, the old one under its aside name .<name>.old-*)."""
+    put back if the second rename fails: a crash leaves one of them, never neither (between the two
+    renames, the old one under its aside name .<name>.old-*, which the next conversion puts back)."""
     aside = _move_aside(output, parent) if output.exists() else None
     try:
         os.replace(staging, output)
@@ -476,15 +517,10 @@ def _swap_into_place(staging: Path, output: Path, parent: Path) -> None:
             raise ConfigError(f"could not move the new bundle into {output} ({e.strerror or e}); {kept}. Check "
                               f"the permissions and free space of {parent} and convert again.") from e
         raise
-    try:
-        _fsync_dir(parent)
-    finally:
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
 
 
 def _move_aside(output: Path, parent: Path) -> Path:
-    aside = Path(tempfile.mkdtemp(dir=parent, prefix=f".{output.name}.old-"))
+    aside = Path(tempfile.mkdtemp(dir=parent, prefix=bundle_swap.prefix(output, bundle_swap.ASIDE)))
     try:
         os.replace(output, aside)  # onto the empty directory that reserved the name
     except OSError as e:

@@ -191,7 +191,9 @@ def read_manifest(bundle: str | Path) -> Manifest:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError as e:
-        raise BundleError(f"{bundle}: no {MANIFEST}; pass a directory made by `litekv convert`.") from e
+        from litekv.bundle_swap import interrupted_conversion_hint  # it reads manifests: imported here
+        raise BundleError(f"{bundle}: no {MANIFEST}; pass a directory made by `litekv convert`."
+                          + interrupted_conversion_hint(Path(bundle))) from e
     except OSError as e:
         raise BundleError(f"{path}: cannot be read ({e.strerror}).") from e
     except UnicodeDecodeError as e:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +18,8 @@ import numpy as np
 from litekv import litert_capi, native_attention
 from litekv.bundle import HEAD_KEEP_INPUT, SAMPLER_INPUTS, SAMPLER_SIGNATURE, BundleError, Manifest
 from litekv.catalog import cache_dir
-from litekv.errors import AcceleratorUnavailable, MissingDependency
+from litekv.durable import exclusive_lock, replace_durably
+from litekv.errors import AcceleratorUnavailable, BackendError, MissingDependency
 from litekv.kv_cache import KVCache, aligned_zeros, on_huge_pages
 from litekv.litert_capi import CompiledTFLiteModel, HostTensorBuffer
 from litekv.resident_pages import FileMappings, ModelFilePages
@@ -117,6 +118,45 @@ def xnnpack_cache_file(model: Path, fingerprint: str) -> Path:
     return path
 
 
+def xnnpack_cache_lock(cache: Path) -> Path:
+    """The lock file beside a weight cache file, held by the process that opens its model."""
+    return cache.with_name(cache.name + ".lock")
+
+
+def _compile_with_weight_cache(model: Path, cache: Path, num_threads: int,
+                               custom_ops: Sequence[litert_capi.CustomOp]) -> CompiledTFLiteModel:
+    """Compile `model` for the CPU with XNNPACK's packed weights in the file `cache`.
+
+    XNNPACK writes the file at the path it is given, as it packs. So processes opening the model take
+    turns (an advisory lock on xnnpack_cache_lock(cache)): the first builds the file under a temporary
+    name and renames it into place complete, the others wait and then map it. A file found damaged
+    (left by a litekv without this lock) is rebuilt in place, still under the lock.
+    """
+    def compile_for(weights: Path) -> CompiledTFLiteModel:
+        return CompiledTFLiteModel(model, accelerator="cpu", num_threads=num_threads, weight_cache_path=weights,
+                                   custom_ops=custom_ops)
+
+    try:
+        with exclusive_lock(xnnpack_cache_lock(cache)):
+            return compile_for(cache) if cache.exists() else _build_weight_cache(cache, compile_for)
+    except OSError as e:
+        raise BackendError(f"cannot write XNNPACK's weight cache {cache} ({e.strerror or e}): make {cache.parent} "
+                           "writable, or set LITEKV_CACHE to a writable directory.") from e
+
+
+def _build_weight_cache(cache: Path, compile_for: Callable[[Path], CompiledTFLiteModel]) -> CompiledTFLiteModel:
+    building = cache.with_name(cache.name + ".partial")
+    building.unlink(missing_ok=True)  # a killed builder's: XNNPACK would take a complete one as the cache
+    compiled = compile_for(building)
+    try:
+        if building.exists():  # else XNNPACK ran without a cache
+            replace_durably(building, cache)  # our mapping of it follows the rename
+    except BaseException:
+        compiled.close()
+        raise
+    return compiled
+
+
 class _KVMemoryPool:
     """Keeps the memory of every KV cache LiteRT has run on alive, and reuses it for new caches.
 
@@ -188,9 +228,11 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             kernels = self._custom_ops(bundle, manifest, attention_threads or threads or 2)
             self._attention_kernel = kernels[0] if kernels else None
             try:
-                self.model = CompiledTFLiteModel(path, accelerator=kind, num_threads=threads or 2,
-                                                 weight_cache_path=weight_cache if kind == "cpu" else None,
-                                                 custom_ops=kernels)
+                if kind == "cpu":
+                    self.model = _compile_with_weight_cache(path, weight_cache, threads or 2, kernels)
+                else:
+                    self.model = CompiledTFLiteModel(path, accelerator=kind, num_threads=threads or 2,
+                                                     custom_ops=kernels)
                 self.accelerator = kind
                 break
             except AcceleratorUnavailable as e:
