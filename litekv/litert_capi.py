@@ -25,6 +25,11 @@ declares the few functions litekv uses and wraps them::
 
 Runtime facts this relies on are in converters/LITERT_NOTES.md and pinned down by
 tests/test_litert_capi.py.
+
+LiteRT's own log (stderr) is filtered by ``LITEKV_LITERT_LOG``: ``verbose``, ``info``,
+``warning``, ``error`` (the default) or ``silent``, the least severe message shown. Messages
+of loading and compiling below it are dropped (errors quote them all the same); model runs
+log only below ``error``: a failed run raises with LiteRT's messages, and a cancel is no error.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ from litekv.errors import (
     BackendError,
     BindingError,
     Cancelled,
+    ConfigError,
     MissingDependency,
 )
 
@@ -124,6 +130,25 @@ class _RankedTensorType(ctypes.Structure):
 
 assert ctypes.sizeof(_RankedTensorType) == 72
 
+
+class _Any(ctypes.Structure):
+    # LiteRtAny (litert_any.h) holding an int: the type, then the 8-byte union.
+    _fields_ = [("type", ctypes.c_int), ("int_value", ctypes.c_int64)]
+
+
+class _EnvOption(ctypes.Structure):
+    # LiteRtEnvOption (litert_environment_options.h): 24 bytes, ABI-stable.
+    _fields_ = [("tag", ctypes.c_int), ("value", _Any)]
+
+
+assert ctypes.sizeof(_EnvOption) == 24
+_ANY_INT = 2  # kLiteRtAnyTypeInt
+_ENV_AUTO_REGISTER_ACCELERATORS = 24  # kLiteRtEnvOptionTagAutoRegisterAccelerators (a LiteRtHwAccelerators mask)
+_ENV_MIN_LOGGER_SEVERITY = 25  # kLiteRtEnvOptionTagMinLoggerSeverity
+# LiteRtLogSeverity (litert_logging.h), and the names LiteRT's log lines start with.
+LOG_LEVELS = {"verbose": 0, "info": 1, "warning": 2, "error": 3, "silent": 4}
+LOG_ENV = "LITEKV_LITERT_LOG"
+
 _P = ctypes.c_void_p  # every LiteRt handle is an opaque pointer
 _PP = ctypes.POINTER(ctypes.c_void_p)
 _SIZE = ctypes.c_size_t
@@ -133,7 +158,7 @@ _ST = ctypes.c_int  # LiteRtStatus
 
 # name: (restype, argtypes), from the LiteRT C headers (litert/c/*.h).
 _PROTOTYPES = {
-    "LiteRtCreateEnvironment": (_ST, [ctypes.c_int, _P, _PP]),
+    "LiteRtCreateEnvironment": (_ST, [ctypes.c_int, ctypes.POINTER(_EnvOption), _PP]),
     "LiteRtDestroyEnvironment": (None, [_P]),
     # litert/c/internal/litert_accelerator.h, used to explain a missing accelerator.
     "LiteRtGetNumAccelerators": (_ST, [_P, _PSIZE]),
@@ -251,16 +276,71 @@ def _check(status: int, what: str, detail: str = "") -> None:
 _stderr_lock = threading.Lock()
 
 
+def log_level() -> int:
+    """The least severe LiteRT message shown (a LOG_LEVELS value), from LITEKV_LITERT_LOG."""
+    name = os.environ.get(LOG_ENV, "error").strip().lower()
+    if name not in LOG_LEVELS:
+        raise ConfigError(f"{LOG_ENV}={name!r} is not a log level; use one of {', '.join(LOG_LEVELS)}.")
+    return LOG_LEVELS[name]
+
+
+_log_severity_set = LOG_LEVELS["info"]  # LiteRT's default in release builds
+
+
+def _set_log_severity(lib: ctypes.CDLL, severity: int) -> None:
+    """Sets the least severe message LiteRT's log prints, process-wide (under _stderr_lock).
+
+    libLiteRt.so exports no logger API, but LiteRtCreateEnvironment applies the option
+    kLiteRtEnvOptionTagMinLoggerSeverity to the default logger, which every environment
+    shares: an environment that registers no accelerator (about 10 us) is made for it and
+    destroyed at once. Cosmetic: a LiteRT that refuses it keeps logging as it did.
+    """
+    global _log_severity_set
+    if severity == _log_severity_set:
+        return
+    options = (_EnvOption * 2)(_EnvOption(_ENV_MIN_LOGGER_SEVERITY, _Any(_ANY_INT, severity)),
+                               _EnvOption(_ENV_AUTO_REGISTER_ACCELERATORS, _Any(_ANY_INT, 0)))
+    handle = ctypes.c_void_p()
+    if lib.LiteRtCreateEnvironment(len(options), options, ctypes.byref(handle)) == 0:
+        lib.LiteRtDestroyEnvironment(handle)
+        _log_severity_set = severity
+
+
+def _shown(log: str, level: int) -> str:
+    """The lines of a LiteRT log at `level` or above; a line without a severity goes with the one before."""
+    shown, keep = [], True
+    for line in log.splitlines(keepends=True):
+        severity = LOG_LEVELS.get(line.partition(":")[0].lower())
+        if severity is not None:
+            keep = severity >= level
+        if keep:
+            shown.append(line)
+    return "".join(shown)
+
+
+@contextmanager
+def _log_severity(during: int, after: int) -> Iterator[None]:
+    lib = _load()
+    _set_log_severity(lib, during)
+    try:
+        yield
+    finally:
+        _set_log_severity(lib, after)
+
+
 @contextmanager
 def _native_stderr() -> Iterator[list[str]]:
-    """Captures what native code writes to fd 2 meanwhile, then writes it through.
+    """Captures what native code writes to fd 2 meanwhile, then writes through what log_level() shows.
 
     LiteRT reports why an accelerator or a model failed only in its log (stderr); the
-    captured text is yielded (filled on exit) so errors can quote it. Nothing is
-    swallowed: the text is replayed to the real stderr right after.
+    captured text, with LiteRT's warnings whatever the level, is yielded (filled on exit)
+    so errors can quote it. Afterwards LiteRT logs only below "error" (model runs: see the
+    module docstring).
     """
     captured: list[str] = []
-    with _stderr_lock:
+    level = log_level()
+    after = level if level < LOG_LEVELS["error"] else LOG_LEVELS["silent"]
+    with _stderr_lock, _log_severity(min(level, LOG_LEVELS["warning"]), after):
         try:
             saved = os.dup(2)
         except OSError:  # no stderr at all
@@ -275,10 +355,11 @@ def _native_stderr() -> Iterator[list[str]]:
                 finally:
                     os.dup2(saved, 2)
                     tmp.seek(0)
-                    data = tmp.read()
-                    if data:
-                        os.write(2, data)
-                    captured.append(data.decode("utf-8", "replace"))
+                    text = tmp.read().decode("utf-8", "replace")
+                    shown = _shown(text, level)
+                    if shown:
+                        os.write(2, shown.encode())
+                    captured.append(text)
         finally:
             os.close(saved)
 

@@ -170,6 +170,17 @@ class ReusedArrays:
             return array
 
 
+class _Call:
+    """A running prefill, step or sample_tokens, as cancel() sees it. Each call has its own, so a
+    cancel marks only the calls running when it came, never a later one."""
+
+    __slots__ = ("kv_cache", "adapter", "lora_id", "cancelled")
+
+    def __init__(self, kv_cache: KVCache | None, adapter: LoraAdapter | None, lora_id: int | None):
+        self.kv_cache, self.adapter, self.lora_id = kv_cache, adapter, lora_id
+        self.cancelled = False
+
+
 class ExecutorBase(ABC):
     """Runs a converted model; holds weights and adapters, never sequence state."""
 
@@ -193,9 +204,11 @@ class ExecutorBase(ABC):
         self._prepared: dict[int, object] = {}  # backend-ready inputs of each adapter
         self._adapters_in_use: dict[int, int] = {}
         self._next_lora_id = 1
-        self._lock = threading.Lock()
-        self._cancel = threading.Event()
-        self._running = 0
+        self._lock = threading.Lock()  # adapters and their use; never taken by cancel()
+        # The running calls, as an ordered set. Adding, removing and copying it are single operations
+        # under CPython's GIL, so calls and cancel() need no lock for it.
+        self._calls: dict[_Call, None] = {}
+        self._reset_due = False  # a cancel reached the backend: reset it before the next call on an idle executor
         self._logits = ReusedArrays()  # decode steps' outputs
         keep_large_allocations_mapped()  # freed activations go back to the system, not to a growing heap
 
@@ -238,18 +251,18 @@ class ExecutorBase(ABC):
         raises `Cancelled` with the cache holding exactly the chunks that completed.
         """
         tokens = self._token_matrix(inputs, kv_cache)
-        with self._call(lora_id) as adapter:
+        with self._call(lora_id, kv_cache) as call:
             start = kv_cache.num_tokens
             if self.model_pages is not None:  # what decode steps read since the last release
                 self.model_pages.release_after_steps()
             try:
                 for chunk in plan_prefill(tokens.shape[1], start, self._prefill_sizes(), self.max_context):
-                    self._check_cancel()
+                    self._check_cancel(call)
                     begin = chunk.start - start
                     try:
                         for row in range(kv_cache.batch_size):
                             self._run_prefill_chunk(tokens[row, begin:begin + chunk.real], chunk, kv_cache, row,
-                                                    adapter)
+                                                    call.adapter)
                     finally:  # the embedding rows the chunk gathered are not read again
                         if self.model_pages is not None:
                             self.model_pages.release()
@@ -353,53 +366,83 @@ class ExecutorBase(ABC):
             self._prepared.pop(lora_id, None)
 
     # ---- cancellation -------------------------------------------------------------------------------
-    def cancel(self) -> None:
-        """Stop the running prefill / sample_tokens at its next chunk or step; a no-op when idle."""
-        with self._lock:
-            if self._running:
-                self._cancel.set()
-                self._interrupt_backend()
+    def cancel(self, kv_cache: KVCache | None = None) -> None:
+        """Stop the calls running now on `kv_cache` (a prefill, step or sample_tokens), or every
+        running call when it is None; a no-op when none runs.
 
-    def _interrupt_backend(self) -> None:
-        """Stop inside a running model call where the backend allows it."""
+        A cancelled call raises `Cancelled` at its next prefill chunk or sample_tokens step, or
+        inside its model run where the backend can stop one (the only place a step() stops).
+        Only the calls running when cancel() is called are marked: calls that start later, on this
+        cache or any other, run normally. It takes no lock, so it may be called from any thread,
+        and from a signal handler on the thread of the call it stops (which then stops at its next
+        check: the handler runs only between Python bytecodes, never inside a model run).
+        """
+        if kv_cache is not None and not isinstance(kv_cache, KVCache):
+            raise KVCacheError(f"cancel takes the KVCache whose calls to stop, or None, got {type(kv_cache).__name__}.")
+        calls = tuple(self._calls)
+        if kv_cache is not None:
+            cache_id = kv_cache.cache_id
+            calls = tuple(c for c in calls if c.kv_cache is not None and c.kv_cache.cache_id == cache_id)
+        if not calls:
+            return
+        for call in calls:
+            call.cancelled = True
+        self._reset_due = True
+        self._interrupt_backend(calls)
 
-    def _check_cancel(self) -> None:
-        if self._cancel.is_set():
+    def _interrupt_backend(self, calls: tuple[_Call, ...]) -> None:
+        """Stop the model runs of `calls` where the backend allows it; runs of other calls must not
+        fail (or must be run again: see _cancelled_on). Called without any lock held."""
+
+    def _reset_backend_cancel(self) -> None:
+        """Drop what an earlier cancel left in the backend; called when no call runs."""
+
+    def _cancelled_on(self, kv_cache: KVCache) -> bool:
+        """Whether a call running on `kv_cache` was cancelled: a backend interrupt that reached a run
+        of another call is not a cancel, and that run is run again."""
+        return any(call.cancelled and call.kv_cache is kv_cache for call in tuple(self._calls))
+
+    def _check_cancel(self, call: _Call) -> None:
+        if call.cancelled:
             raise Cancelled(f"{self.backend} call cancelled.")
 
     @contextmanager
-    def _call(self, lora_id: int | None) -> Iterator[LoraAdapter | None]:
-        adapter = self._begin_call(lora_id)
+    def _call(self, lora_id: int | None, kv_cache: KVCache | None = None) -> Iterator[_Call]:
+        call = self._begin_call(lora_id, kv_cache)
         try:
-            yield adapter
+            yield call
         finally:
-            self._end_call(lora_id)
+            self._end_call(call)
 
     # _call in two halves, for the one-token paths (step, sample_tokens) to skip the generator.
-    def _begin_call(self, lora_id: int | None) -> LoraAdapter | None:
-        """Count a running call (and its adapter as in use); returns the adapter of lora_id."""
-        with self._lock:
-            if lora_id is not None and lora_id not in self._adapters:
-                raise LoraError(f"no adapter with lora_id {lora_id} is loaded.")
-            adapter = self._adapters.get(lora_id) if lora_id is not None else None
-            if lora_id is not None:
+    def _begin_call(self, lora_id: int | None, kv_cache: KVCache | None) -> _Call:
+        """Register a running call on `kv_cache` (and its adapter as in use)."""
+        if self._reset_due:
+            self._reset_if_idle()
+        if lora_id is None:
+            call = _Call(kv_cache, None, None)
+        else:
+            with self._lock:
+                adapter = self._adapters.get(lora_id)
+                if adapter is None:
+                    raise LoraError(f"no adapter with lora_id {lora_id} is loaded.")
                 self._adapters_in_use[lora_id] = self._adapters_in_use.get(lora_id, 0) + 1
-            # A backend is interrupted only by cancel(), which sets _cancel too: with it clear,
-            # there is nothing to reset (ONNX makes new RunOptions for it).
-            if self._running == 0 and self._cancel.is_set():
-                self._cancel.clear()
-                self._reset_backend_cancel()
-            self._running += 1
-        return adapter
+            call = _Call(kv_cache, adapter, lora_id)
+        self._calls[call] = None
+        return call
 
-    def _end_call(self, lora_id: int | None) -> None:
+    def _end_call(self, call: _Call) -> None:
+        del self._calls[call]
+        if call.lora_id is not None:
+            with self._lock:
+                self._adapters_in_use[call.lora_id] -= 1
+
+    def _reset_if_idle(self) -> None:
+        """Reset the backend after a cancel once no call runs: no interrupt can be meant for a run then."""
         with self._lock:
-            self._running -= 1
-            if lora_id is not None:
-                self._adapters_in_use[lora_id] -= 1
-
-    def _reset_backend_cancel(self) -> None:
-        """Clear a backend-level cancel request before a new call."""
+            if self._reset_due and not self._calls:
+                self._reset_due = False
+                self._reset_backend_cancel()
 
     # ---- backend hooks ---------------------------------------------------------------------------
     @abstractmethod
@@ -414,13 +457,13 @@ class ExternalSamplerExecutor(ExecutorBase):
     def step(self, inputs: Sequence[int] | np.ndarray, kv_cache: KVCache, lora_id: int | None = None) -> np.ndarray:
         """inputs: the next token of each row [batch]; returns logits [batch, vocab] float32."""
         tokens = self._step_tokens(inputs, kv_cache)
-        adapter = self._begin_call(lora_id)
+        call = self._begin_call(lora_id, kv_cache)
         try:
-            logits = self._decode(tokens, kv_cache, adapter)
+            logits = self._decode(tokens, kv_cache, call.adapter)
             kv_cache.set_num_tokens(kv_cache.num_tokens + 1)
             self._count_steps(len(tokens))
         finally:
-            self._end_call(lora_id)
+            self._end_call(call)
         return logits
 
     @abstractmethod
@@ -449,16 +492,17 @@ class InternalSamplerExecutor(ExecutorBase):
                               f"{self.max_context}.")
         batch = len(tokens)
         out = np.empty((batch, num_steps), np.int32)  # every column is written before it is returned
-        adapter = self._begin_call(lora_id)
+        call = self._begin_call(lora_id, kv_cache)
+        adapter = call.adapter
         try:
             for i in range(num_steps):
-                self._check_cancel()
+                self._check_cancel(call)
                 tokens = self._sample(tokens, kv_cache, adapter, sampler)
                 kv_cache.set_num_tokens(kv_cache.num_tokens + 1)
                 self._count_steps(batch)
                 out[:, i] = tokens
         finally:
-            self._end_call(lora_id)
+            self._end_call(call)
         return out
 
     @abstractmethod

@@ -19,8 +19,8 @@ from litekv import litert_capi, native_attention
 from litekv.bundle import HEAD_KEEP_INPUT, SAMPLER_INPUTS, SAMPLER_SIGNATURE, BundleError, Manifest
 from litekv.catalog import cache_dir
 from litekv.durable import exclusive_lock, replace_durably
-from litekv.errors import AcceleratorUnavailable, BackendError, MissingDependency
-from litekv.kv_cache import KVCache, aligned_zeros, on_huge_pages
+from litekv.errors import AcceleratorUnavailable, BackendError, Cancelled, MissingDependency
+from litekv.kv_cache import KEY_BLOCK_SLOTS, KVCache, aligned_zeros, on_huge_pages
 from litekv.litert_capi import CompiledTFLiteModel, HostTensorBuffer
 from litekv.resident_pages import FileMappings, ModelFilePages
 from litekv.sampling import CANDIDATES
@@ -163,19 +163,49 @@ class _KVMemoryPool:
     A compiled model remembers buffers it has run with; after the memory of a dead cache was
     freed, a later run on another cache was seen to read it (wrong logits, reproducibly). So a
     cache's buffers, and their bindings, go back to this pool when the cache dies instead of
-    being freed: memory stays at the high-water mark of caches alive at once.
+    being freed. A cache made elsewhere (KVCache.deep_copy, KVCache.allocate) moves into a free
+    set of buffers of its form before LiteRT first runs on it, and its own buffers, which LiteRT
+    never saw, are freed: memory stays at the high-water mark of caches alive at once.
     """
 
     def __init__(self):
         self._free: dict[tuple, list] = {}
         self._lock = threading.Lock()
+        self.held_bytes = 0  # KV memory kept for LiteRT: free here or in use by live caches
+
+    def cache(self, shape: tuple, dtype: np.dtype, row_scales: bool, huge_pages: bool, layout: str) -> KVCache | None:
+        """A new, empty cache over the buffers of a dead cache of this form, or None."""
+        recycled = self._take((shape, np.dtype(dtype), row_scales, huge_pages))
+        if recycled is None:
+            return None
+        keys, values, bindings, key_scales, value_scales = recycled
+        cache = KVCache.from_buffers(keys, values, layout, bindings, key_scales, value_scales, huge_pages)
+        self._keep(cache._s)
+        return cache
 
     def adopt(self, kv_cache: KVCache) -> None:
+        """Keep the memory of a cache LiteRT is about to run on; before its first run, a cache made
+        elsewhere moves into free buffers of its form where there are some."""
         storage = kv_cache._s
-        if not storage.pooled:
-            storage.pooled = True
-            weakref.finalize(storage, self._recycle, storage.keys, storage.values, storage.bindings,
-                             storage.key_scales, storage.value_scales, storage.huge_pages)
+        if storage.pooled:
+            return
+        recycled = self._take(self._form(storage))
+        if recycled is None:
+            with self._lock:
+                self.held_bytes += sum(b.nbytes for buffers in _buffer_lists(storage) for b in buffers)
+        else:
+            _move_into(storage, recycled)
+        self._keep(storage)
+
+    @staticmethod
+    def _form(storage) -> tuple:
+        keys = storage.keys[0]
+        return keys.shape, keys.dtype, storage.key_scales is not None, storage.huge_pages
+
+    def _keep(self, storage) -> None:
+        storage.pooled = True
+        weakref.finalize(storage, self._recycle, storage.keys, storage.values, storage.bindings,
+                         storage.key_scales, storage.value_scales, storage.huge_pages)
 
     def _recycle(self, keys, values, bindings, key_scales, value_scales, huge_pages) -> None:
         if keys:  # a released cache gave its lists up already
@@ -183,11 +213,30 @@ class _KVMemoryPool:
                 self._free.setdefault((keys[0].shape, keys[0].dtype, key_scales is not None, huge_pages), []).append(
                     (keys, values, bindings, key_scales, value_scales))
 
-    def take(self, shape: tuple, dtype: np.dtype, row_scales: bool, huge_pages: bool) -> tuple | None:
+    def _take(self, form: tuple) -> tuple | None:
         """(keys, values, bindings, key scales, value scales) of a dead cache of this form, or None."""
         with self._lock:
-            free = self._free.get((shape, dtype, row_scales, huge_pages))
+            free = self._free.get(form)
             return free.pop() if free else None
+
+
+def _buffer_lists(storage) -> list[list[np.ndarray]]:
+    """A cache storage's keys, values and (with row scales) their scales."""
+    return [storage.keys, storage.values] + ([storage.key_scales, storage.value_scales]
+                                             if storage.key_scales is not None else [])
+
+
+def _move_into(storage, recycled: tuple) -> None:
+    """Give `storage` the pooled buffers `recycled`, holding its valid tokens, in place of its own."""
+    keys, values, bindings, key_scales, value_scales = recycled
+    # the valid slots in whole key blocks: BSHD_KB8 keeps block b's slots in the bytes of rows 8b..8b+7
+    slots = min(-(-storage.num_tokens // KEY_BLOCK_SLOTS) * KEY_BLOCK_SLOTS, storage.keys[0].shape[1])
+    for new, old in zip([keys, values, key_scales, value_scales], _buffer_lists(storage)):
+        for dst, src in zip(new, old):  # the slot axis: 1 of [B, S, KVH, D], 2 of scales [B, KVH, S]
+            prefix = (slice(None),) * (1 if dst.ndim == 4 else 2) + (slice(0, slots),)
+            dst[prefix] = src[prefix]
+    storage.keys, storage.values, storage.key_scales, storage.value_scales = keys, values, key_scales, value_scales
+    storage.bindings.update(bindings)  # this executor's, for these buffers; the cache had none of its own
 
 
 class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
@@ -258,6 +307,7 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
                 self._io[sig.name] = _SignatureIO(sig.name, sig.kind, sig.tokens, sig.capacity, cfg.vocab_size,
                                                   self._sliding, HEAD_KEEP_INPUT in sig.inputs)
         self._run_lock = threading.Lock()  # the signature IO buffers are shared by all caches
+        self._in_model: KVCache | None = None  # the cache whose runs hold _run_lock (see _interrupt_backend)
         self._pool = _KVMemoryPool()
 
     @staticmethod
@@ -287,14 +337,11 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         dtype, row_scales = np.dtype(self.manifest.kv_dtype), self.manifest.kv_row_scales
         shape = (batch_size, self.max_context, cfg.num_kv_heads, cfg.head_dim)
         huge = on_huge_pages(cfg.num_layers, shape, dtype, huge_pages)
-        recycled = self._pool.take(shape, dtype, row_scales, huge)
-        if recycled is not None:
-            keys, values, bindings, key_scales, value_scales = recycled
-            cache = KVCache.from_buffers(keys, values, self.kv_layout, bindings, key_scales, value_scales, huge)
-        else:
+        cache = self._pool.cache(shape, dtype, row_scales, huge, self.kv_layout)
+        if cache is None:
             cache = KVCache.allocate(cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, self.max_context,
                                      self.kv_layout, self.manifest.kv_dtype, row_scales, huge_pages)
-        self._pool.adopt(cache)
+            self._pool.adopt(cache)
         return cache
 
     # ---- binding ---------------------------------------------------------------------------------
@@ -313,7 +360,7 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         # that ran it, so sharing one across signatures made the second read stale memory.
         key = (id(self), "kv", row, signature)
         if key not in kv_cache.bindings:
-            self._pool.adopt(kv_cache)  # caches made elsewhere (deep_copy, load) too
+            self._pool.adopt(kv_cache)  # caches made elsewhere (deep_copy, allocate) too
             buffers = {}
             for layer in range(self.config.num_layers):
                 for kind, raw in (("k", kv_cache.raw_keys(layer)), ("v", kv_cache.raw_values(layer))):
@@ -361,17 +408,20 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
                            adapter: LoraAdapter | None) -> None:
         kind = "prefill" if chunk.length > 1 else "decode"
         name = self._signature_name(kind, chunk.start + chunk.length, adapter, chunk.length)
-        with self._run_lock:  # a chunk's logits go unread
-            self._run(name, tokens, chunk.start, kv_cache, row, adapter, head_keep=CANDIDATES)
+        # a chunk's logits go unread
+        self._exclusive(kv_cache, self._run, name, tokens, chunk.start, kv_cache, row, adapter, CANDIDATES)
 
     def _decode(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None) -> np.ndarray:
         name = self._signature_name("decode", kv_cache.num_tokens + 1, adapter)
         out = self._logits.take((kv_cache.batch_size, self.config.vocab_size), np.float32)
-        with self._run_lock:
-            for row in range(kv_cache.batch_size):
-                io = self._run(name, tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter)
-                out[row] = io.outputs["logits"][0, 0]
+        self._exclusive(kv_cache, self._decode_rows, name, tokens, kv_cache, adapter, out)
         return out
+
+    def _decode_rows(self, name: str, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None,
+                     out: np.ndarray) -> None:
+        for row in range(kv_cache.batch_size):
+            io = self._run(name, tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter)
+            out[row] = io.outputs["logits"][0, 0]
 
     def _sample(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None,
                 sampler: SamplerParams) -> np.ndarray:
@@ -379,19 +429,44 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             return host_sample(self._decode(tokens, kv_cache, adapter), sampler, kv_cache.num_tokens)
         name = self._signature_name("decode", kv_cache.num_tokens + 1, adapter)
         out = np.empty(kv_cache.batch_size, np.int32)
-        with self._run_lock:
-            for row in range(kv_cache.batch_size):
-                io = self._run(name, tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter,
-                               head_keep=CANDIDATES)  # the sampler draws from these
-                if sampler.greedy:  # the sampler graph's top-1 (lowest index of ties) without its run
-                    out[row] = io.outputs["logits"][0, 0].argmax()
-                else:
-                    out[row] = self._sampler.run(io, sampler.graph_inputs(sampler.seed_for(kv_cache.num_tokens, row)))
+        self._exclusive(kv_cache, self._sample_rows, name, tokens, kv_cache, adapter, sampler, out)
         return out
 
+    def _sample_rows(self, name: str, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None,
+                     sampler: SamplerParams, out: np.ndarray) -> None:
+        for row in range(kv_cache.batch_size):
+            io = self._run(name, tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter,
+                           head_keep=CANDIDATES)  # the sampler draws from these
+            if sampler.greedy:  # the sampler graph's top-1 (lowest index of ties) without its run
+                out[row] = io.outputs["logits"][0, 0].argmax()
+            else:
+                out[row] = self._sampler.run(io, sampler.graph_inputs(sampler.seed_for(kv_cache.num_tokens, row)))
+
     # ---- cancellation ---------------------------------------------------------------------------
-    def _interrupt_backend(self) -> None:
-        self.model.cancel()
+    def _exclusive(self, kv_cache: KVCache, work: Callable, *args) -> None:
+        """work(*args): runs of the model on `kv_cache`, one caller at a time (the signature IO
+        buffers are shared). The model has one cancel flag, so a cancel meant for another cache's
+        call can stop these runs: they are run again. That is safe: runs write only the cache rows
+        at num_tokens.., which are committed after the hook returns, from inputs they do not change."""
+        with self._run_lock:
+            self._in_model = kv_cache
+            try:
+                while True:
+                    try:
+                        work(*args)
+                        return
+                    except Cancelled:
+                        if self._cancelled_on(kv_cache):
+                            raise
+            finally:
+                self._in_model = None
+
+    def _interrupt_backend(self, calls: tuple) -> None:
+        # Set the model's flag only while it runs for a target, or is idle (the next run may be the
+        # target's; another call's runs again, see _exclusive): never stop another cache's run in progress.
+        running = self._in_model
+        if running is None or any(call.kv_cache is running for call in calls):
+            self.model.cancel()
 
     def _reset_backend_cancel(self) -> None:
         self.model.clear_cancel()

@@ -125,8 +125,6 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             # pages (packing leftovers and a prefill's embedding rows: 50 MB of the int4 SmolLM2
             # file after a 1,024-token prompt) can be given back like LiteRT's.
             self.model_pages = ModelFilePages(FileMappings(data_file, exclude=mapped_before, seal_unwritten=True))
-        self._run_options, self._chunk_run_options = self._new_run_options()
-        self._options_lock = threading.Lock()
         self.manifest = manifest
 
     @staticmethod
@@ -157,7 +155,14 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         """IO binding of one batch row for one graph, with its K/V bound in place (memoized on the cache)."""
         key = (id(self), row, id(session))
         if key not in kv_cache.bindings:
-            kv_cache.bindings[key] = _RowBinding(self, session, kv_cache, row)
+            kv_cache.bindings[key] = _RowBinding(self, session, kv_cache, row, self._run_options(kv_cache))
+        return kv_cache.bindings[key]
+
+    def _run_options(self, kv_cache: KVCache) -> "_RunOptions":
+        """The RunOptions of every run on `kv_cache` (memoized on the cache): a cancel terminates them."""
+        key = (id(self), "run options")
+        if key not in kv_cache.bindings:
+            kv_cache.bindings[key] = _RunOptions(self._ort)
         return kv_cache.bindings[key]
 
     def _prepare_adapter(self, adapter: LoraAdapter | None) -> dict[str, np.ndarray]:
@@ -181,14 +186,17 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
             session = self.decode_session if len(tokens) == 1 else self.session
         binding = self._binding(kv_cache, row, session)
         binding.prepare(tokens, start, lora_id, lora or {}, head_keep)
-        run_options = self._run_options if len(tokens) == 1 else self._chunk_run_options
-        try:
-            session.run_with_iobinding(binding.io, run_options)
-        except Exception as e:
-            if "terminate flag" in str(e):
-                raise Cancelled("onnx call cancelled inside the model run.") from e
-            raise BackendError(f"onnxruntime failed: {e}") from e
-        return binding.logits, binding.logits_value
+        options = binding.options
+        while True:  # a run stopped by a cancel that was not for this call runs again (see _cancelled_on)
+            try:
+                session.run_with_iobinding(binding.io, options.step if len(tokens) == 1 else options.chunk)
+                return binding.logits, binding.logits_value
+            except Exception as e:
+                if "terminate flag" not in str(e):
+                    raise BackendError(f"onnxruntime failed: {e}") from e
+                options.renew()
+                if self._cancelled_on(kv_cache):
+                    raise Cancelled("onnx call cancelled inside the model run.") from e
 
     # ---- hooks -----------------------------------------------------------------------------------
     def _prefill_sizes(self) -> range:
@@ -225,21 +233,35 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
     def _sample_on_graph(self, logits_value, sampler: SamplerParams, seed: int) -> int:
         return self._sampler_io.run(logits_value, sampler.graph_inputs(seed))
 
-    def _new_run_options(self):
-        """(steps', chunks') RunOptions. After a chunk, ONNX Runtime's arena gives back what the
-        chunk's activations took: a 1,024-token int4 prefill then 128 steps peaked at 287 MB
-        instead of 321, at the same prefill speed (seventeenth round). Steps keep their arena."""
-        chunks = self._ort.RunOptions()
-        chunks.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
-        return self._ort.RunOptions(), chunks
-
     # ---- cancellation inside a run ----------------------------------------------------------------
-    def _interrupt_backend(self) -> None:
-        self._run_options.terminate = True
-        self._chunk_run_options.terminate = True
+    def _interrupt_backend(self, calls: tuple) -> None:
+        # Each cache runs with RunOptions of its own: terminating them stops that cache's run only.
+        for call in calls:
+            if call.kv_cache is not None:
+                options = call.kv_cache.bindings.get((id(self), "run options"))  # none before its first run
+                if options is not None:
+                    options.terminate()
 
-    def _reset_backend_cancel(self) -> None:
-        self._run_options, self._chunk_run_options = self._new_run_options()  # terminated ones stay so
+
+class _RunOptions:
+    """The RunOptions of one cache's runs, so that a cancel's terminate flag reaches only them.
+    After a chunk, ONNX Runtime's arena gives back what the chunk's activations took: a 1,024-token
+    int4 prefill then 128 steps peaked at 287 MB instead of 321, at the same prefill speed
+    (seventeenth round). Steps keep their arena."""
+
+    def __init__(self, ort):
+        self._ort = ort
+        self.renew()
+
+    def renew(self) -> None:
+        """Fresh options for the next run: terminated ones stay so."""
+        chunk = self._ort.RunOptions()
+        chunk.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+        self.step, self.chunk = self._ort.RunOptions(), chunk
+
+    def terminate(self) -> None:
+        self.step.terminate = True
+        self.chunk.terminate = True
 
 
 class _SamplerBinding:
@@ -277,9 +299,9 @@ class _RowBinding:
     """Everything bound for one cache row. Inputs are numpy arrays bound once and rewritten in
     place each call, so a decode step binds nothing; only a new chunk length or adapter rebinds."""
 
-    def __init__(self, executor: OnnxExecutor, session, kv_cache: KVCache, row: int):
+    def __init__(self, executor: OnnxExecutor, session, kv_cache: KVCache, row: int, options: _RunOptions):
         ort = executor._ort
-        self.executor = executor
+        self.executor, self.options = executor, options
         self.io = session.io_binding()
         self.keep: dict[str, object] = {}  # bound OrtValues must outlive the binding
         for layer in range(executor.config.num_layers):
