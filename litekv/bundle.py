@@ -5,6 +5,7 @@ token count and KV capacity, the KV layout, quantization, LoRA inputs and the mo
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -255,7 +256,11 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     """Write a file so readers see the old or the new content, never a torn one."""
     path = Path(path)
     raw = data.encode() if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except FileNotFoundError as e:  # say which file, not the temporary name mkstemp picked
+        raise FileNotFoundError(errno.ENOENT, f"cannot write {path}: its directory {path.parent} does not exist; "
+                                "create it first") from e
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(raw)

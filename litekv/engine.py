@@ -5,19 +5,22 @@ a finish reason), which runs one `Session._next_token` per step on the executor.
 """
 from __future__ import annotations
 
+import gc
+import hashlib
 import math
-import threading
+import os
 import time
+import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
 from litekv.errors import Cancelled, ChatTemplateError, ConfigError, ContextFull, SessionFormatError
-from litekv.executor import SamplerParams
-from litekv.kv_cache import KVCache
+from litekv.executor import LoraAdapter, LoraError, LoraInUse, SamplerParams, load_peft_adapter
+from litekv.kv_cache import KVCache, KVCacheError
 from litekv.sampling import sample_token
 from litekv.tokenizer import Tokenizer
 from litekv.validation import is_int
@@ -62,12 +65,24 @@ class GenerationChunk:
     elapsed: float = 0.0  # seconds since generate() started
 
 
+@dataclass
+class _Adapter:
+    """A LoRA adapter loaded by name: its executor id, its fingerprint, and the live sessions that use
+    it (weakly: a session no one holds any more does not keep the adapter loaded)."""
+
+    lora_id: int
+    fingerprint: str
+    users: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+
+
 class Engine:
     """A model ready to run: a converted bundle, or a raw checkpoint with backend="reference"."""
 
+    _adapter_rank_from_file = False  # the reference runs each adapter at its own rank
+
     def __init__(self, model: str | Path, backend: str | None = None, accelerator: str = "cpu",
                  threads: int | None = None):
-        model = Path(model)
+        model = _path(model, "the model")
         if backend == "reference":
             self._open_reference(model)
         else:
@@ -85,7 +100,7 @@ class Engine:
             self.fingerprint = manifest.fingerprint
         self.backend = self.executor.backend
         self.config = self.executor.config
-        self._adapters: dict[str, int] = {}
+        self._adapters: dict[str, _Adapter] = {}
 
     @classmethod
     def from_executor(cls, executor, tokenizer: Tokenizer, fingerprint: str) -> "Engine":
@@ -99,10 +114,15 @@ class Engine:
         from litekv.converters.checkpoint import load_checkpoint
         from litekv.converters.convert import fingerprint
         from litekv.converters.quantize import QuantPlan
+        from litekv.executor.lora import LORA_TARGETS_ALL, projection_shape
         from litekv.executor.numpy_executor import NumpyExecutor
 
         ckpt = load_checkpoint(model)
-        self.executor = NumpyExecutor(ckpt.config, ckpt.weights, max_context=min(ckpt.config.max_position, 4096))
+        # Any rank a projection can have: load_lora reads each adapter at its own rank, unpadded.
+        rank = max(min(projection_shape(ckpt.config, target)) for target in LORA_TARGETS_ALL)
+        self.executor = NumpyExecutor(ckpt.config, ckpt.weights, max_context=min(ckpt.config.max_position, 4096),
+                                      lora_rank=rank)
+        self._adapter_rank_from_file = True
         self.tokenizer = ckpt.tokenizer
         self.fingerprint = fingerprint(ckpt.config, ckpt.weights, QuantPlan())
 
@@ -111,40 +131,83 @@ class Engine:
         return self.executor.max_context
 
     def load_lora(self, path: str | Path, name: str | None = None) -> str:
-        name = name or Path(path).name
+        """Load a PEFT adapter directory under `name` (default: the directory's name); returns the name."""
+        path = _path(path, "the adapter directory")
+        name = name or path.name
+        if not isinstance(name, str):
+            raise ConfigError(f"an adapter name must be a str, got {name!r}.")
         if name in self._adapters:
             raise ConfigError(f"an adapter named {name!r} is already loaded; unload it or pick another name.")
-        self._adapters[name] = self.executor.load_lora(path, name)
+        adapter = self._read_adapter(path, name)
+        self._adapters[name] = _Adapter(self.executor.load_lora(adapter), adapter_fingerprint(adapter))
         return name
 
+    def _read_adapter(self, path: Path, name: str) -> LoraAdapter:
+        executor = self.executor
+        if executor.lora_rank is None:
+            raise LoraError("this model was converted without LoRA inputs; reconvert it with --lora-rank R.")
+        rank = _adapter_rank(path) if self._adapter_rank_from_file else executor.lora_rank
+        return load_peft_adapter(path, self.config, rank, executor.lora_targets, name)
+
     def unload_lora(self, name: str) -> None:
-        if name not in self._adapters:
-            raise ConfigError(f"no adapter named {name!r} is loaded.")
-        self.executor.unload_lora(self._adapters[name])
+        """Unload an adapter. Refused with LoraInUse while a live session uses it (the session's cache
+        was computed with it, and its next call could not run): drop those sessions first. A session
+        nothing refers to any more does not count."""
+        adapter = self._adapter(name, "")
+        if adapter.users:
+            gc.collect()  # sessions kept only by a reference cycle are gone, not in use
+        if adapter.users:
+            raise LoraInUse(f"adapter {name!r} is used by {len(adapter.users)} live session(s); delete them (or "
+                            "let them go out of scope) before unloading it, or load another adapter under a "
+                            "new name.")
+        self.executor.unload_lora(adapter.lora_id)
         del self._adapters[name]
 
     def lora_id(self, name: str | None) -> int | None:
-        if name is None:
-            return None
+        """The executor's id of a loaded adapter (None for None)."""
+        return None if name is None else self._adapter(name, "; call engine.load_lora first").lora_id
+
+    def _adapter(self, name: str, hint: str) -> _Adapter:
+        if not isinstance(name, str):
+            raise ConfigError(f"an adapter is named by a str, got {name!r}.")
         if name not in self._adapters:
-            raise ConfigError(f"no adapter named {name!r} is loaded; call engine.load_lora first.")
+            raise ConfigError(f"no adapter named {name!r} is loaded{hint}.")
         return self._adapters[name]
 
-    def create_session(self, sampler: SamplerConfig = SamplerConfig(), lora: str | None = None) -> "Session":
+    def _attach_lora(self, name: str | None, session: "Session") -> tuple[int | None, str | None]:
+        """(lora_id, fingerprint) of the adapter a new session uses, counting the session as its user."""
+        if name is None:
+            return None, None
+        adapter = self._adapter(name, "; call engine.load_lora first")
+        adapter.users.add(session)
+        return adapter.lora_id, adapter.fingerprint
+
+    def create_session(self, sampler: SamplerConfig | SamplerParams = SamplerConfig(),
+                       lora: str | None = None) -> "Session":
+        """A new, empty session. `sampler` may also be the executors' SamplerParams (no repetition penalty)."""
         return Session(self, sampler, lora)
 
-    def create_conversation(self, system: str | None = None, sampler: SamplerConfig = SamplerConfig(),
+    def create_conversation(self, system: str | None = None, sampler: SamplerConfig | SamplerParams = SamplerConfig(),
                             lora: str | None = None) -> "Conversation":
         return Conversation(self.create_session(sampler, lora), system)
 
     def load_session(self, path: str | Path) -> "Session":
-        """Restore a session saved with `Session.save`; validated before any state is built."""
+        """Restore a session saved with `Session.save`; validated before any state is built.
+
+        Refused with SessionFormatError when it holds more tokens than this engine's context, when its
+        KV cache does not fit this bundle's, or when it was saved with another adapter than the one now
+        loaded under its adapter's name (files from before litekv recorded adapters' fingerprints load
+        without that check)."""
         from litekv.session_file import read_session
 
+        path = _path(path, "the session file")
         state = read_session(path, expected_fingerprint=self.fingerprint, vocab_size=self.config.vocab_size)
-        if state.lora_name and state.lora_name not in self._adapters:
-            raise ConfigError(f"the session used LoRA adapter {state.lora_name!r}; load it with engine.load_lora "
-                              "before loading the session.")
+        if len(state.tokens) > self.max_context:  # the model fingerprint does not cover the context length
+            raise SessionFormatError(
+                f"{path} holds {len(state.tokens)} tokens, more than this bundle's context of {self.max_context}; "
+                f"load it with a bundle of the same model converted with max_context >= {len(state.tokens)} "
+                "(litekv convert --max-context).")
+        self._check_session_adapter(path, state.lora_name, state.lora_fingerprint)
         s = state.sampler
         try:
             sampler = SamplerConfig(s.temperature, s.top_k, s.top_p, s.repetition_penalty, s.seed)
@@ -152,13 +215,30 @@ class Engine:
             raise SessionFormatError(f"{path} holds sampler settings litekv cannot use: {e} The file is damaged or "
                                      "was edited; save the session again.") from e
         session = Session(self, sampler, state.lora_name)
-        session.kv_cache.load(state.kv_cache)
+        try:
+            session.kv_cache.load(state.kv_cache)
+        except KVCacheError as e:
+            raise SessionFormatError(f"{path}: its KV cache does not fit this bundle's: {e} Load it with a bundle of "
+                                     "the same model converted with the same KV cache options.") from e
         session._tokens = list(state.tokens)
         if session._tokens and session.kv_cache.num_tokens == len(session._tokens):
             # The file may hold the last token in the cache too; a session keeps it pending (fed by the
             # next step), so forget its row rather than feed it twice.
             session.kv_cache.set_num_tokens(len(session._tokens) - 1)
         return session
+
+    def _check_session_adapter(self, path: Path, name: str | None, fingerprint: str | None) -> None:
+        if not name:
+            return
+        if name not in self._adapters:
+            raise ConfigError(f"the session used LoRA adapter {name!r}; load it with engine.load_lora before "
+                              "loading the session.")
+        loaded = self._adapters[name].fingerprint
+        if fingerprint is not None and fingerprint != loaded:
+            raise SessionFormatError(
+                f"{path} was saved with another adapter than the one loaded as {name!r} (adapter fingerprint "
+                f"{fingerprint[:16]}, the loaded one's {loaded[:16]}); load the adapter the session was made "
+                "with under that name.")
 
 
 class Session:
@@ -168,14 +248,15 @@ class Session:
     the logits for the next token are always one step away and never stored).
     """
 
-    def __init__(self, engine: Engine, sampler: SamplerConfig, lora: str | None):
+    def __init__(self, engine: Engine, sampler: SamplerConfig | SamplerParams, lora: str | None):
         self.engine = engine
-        self.sampler = sampler
+        self.sampler = _sampler_config(sampler)
         self.lora = lora
-        self._lora_id = engine.lora_id(lora)
+        self._lora_id, self._lora_fingerprint = engine._attach_lora(lora, self)
         self._tokens: list[int] = []
         self.kv_cache: KVCache = engine.executor.create_kv_cache()
-        self._cancel = threading.Event()
+        # a plain flag: Event.set/clear take a lock, which a Ctrl-C handler could wait on forever
+        self._cancel = False
         self._running = False
         self._seen: SeenTokens | None = None  # the repetition penalty's ids, made when first needed
 
@@ -188,9 +269,10 @@ class Session:
         return self.engine.max_context - len(self._tokens)
 
     def clone(self) -> "Session":
-        """An independent continuation: same tokens, a deep copy of the cache."""
+        """An independent continuation: same tokens, a copy of the cache."""
         twin = Session(self.engine, self.sampler, self.lora)
-        twin.kv_cache = self.kv_cache.deep_copy()
+        # Into the cache the twin was made with: one allocation, from the executor (its pool, its bindings).
+        twin.kv_cache.select_and_copy_from(self.kv_cache, 0)
         twin._tokens = list(self._tokens)
         return twin
 
@@ -206,19 +288,20 @@ class Session:
 
     def cancel(self) -> None:
         """Stop the running prefill or generate of this session (safe from another thread)."""
-        self._cancel.set()
+        self._cancel = True
         if self._running:
-            self.engine.executor.cancel()
+            self.engine.executor.cancel(self.kv_cache)  # this session's call only, not the engine's others
 
     def save(self, path: str | Path) -> None:
         from litekv.session_file import SamplerState, SessionState, write_session
 
+        path = _path(path, "the session file")
         s = self.sampler
         write_session(path, SessionState(
             fingerprint=self.engine.fingerprint, backend=self.engine.backend,
             tokens=np.asarray(self._tokens, np.int32), kv_cache=self.kv_cache.serialize(),
             sampler=SamplerState(s.temperature, s.top_k, s.top_p, s.repetition_penalty, s.seed, len(self._tokens)),
-            lora_name=self.lora, created_unix=time.time()))
+            lora_name=self.lora, created_unix=time.time(), lora_fingerprint=self._lora_fingerprint))
 
     # ---- prompt ------------------------------------------------------------------------------------
     def _ids(self, text_or_ids: str | Sequence[int]) -> list[int]:
@@ -231,6 +314,9 @@ class Session:
         """`ids` as ints, each checked to lie in the vocabulary: the last one is only fed a step later,
         so the executor's own check would come too late to leave the session unchanged."""
         vocab = self.engine.config.vocab_size
+        if isinstance(ids, (bytes, bytearray, memoryview)):  # iterating them would give byte values as ids
+            raise ConfigError("got bytes: pass text as a str (decode the bytes first, e.g. data.decode('utf-8')) "
+                              "or token ids as a list of ints.")
         if isinstance(ids, np.ndarray) and ids.ndim == 1 and np.issubdtype(ids.dtype, np.integer):
             bad = ids[(ids < 0) | (ids >= vocab)]
             if bad.size:
@@ -299,15 +385,16 @@ class Session:
         """Stream up to `max_new_tokens` new tokens. The last chunk carries the finish reason; a
         generation that fills the context ends with "length", keeping every token it made.
 
+        Chunk text leaves out special tokens (as generate_text does), so the end-of-generation token
+        adds none; a stop string that is a special token's text stops at that token.
+
         Checks its arguments when called. Raises ContextFull (before touching state) only when the
         context has no room for even one token.
         """
         _check_max_new_tokens(max_new_tokens)
+        stops = _stop_strings(stop)
         if not self._tokens:
             raise ConfigError("the session is empty: prefill a prompt first.")
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if not all(isinstance(s, str) for s in stops):
-            raise ConfigError(f"stop must be a str or a sequence of str, got {stop!r}.")
         self._check_room_for_one()
         return self._stream(int(max_new_tokens), stops, ignore_eos)
 
@@ -317,13 +404,14 @@ class Session:
                               "a new session.")
 
     def _stream(self, max_new_tokens: int, stops: tuple[str, ...], ignore_eos: bool) -> Iterator[GenerationChunk]:
-        eos = set(self.engine.tokenizer.eos_token_ids)
-        stream = self.engine.tokenizer.stream_decoder()
-        started, matcher = time.perf_counter(), StopStrings(stops)
-        self._cancel.clear()
+        tokenizer = self.engine.tokenizer
+        eos = set() if ignore_eos else set(tokenizer.eos_token_ids)
+        stream = tokenizer.stream_decoder(skip_special_tokens=True)
+        started, matcher, stop_ids = time.perf_counter(), StopStrings(stops), _special_stop_ids(tokenizer, stops)
+        self._cancel = False
         self._check_room_for_one()  # the state may have changed since generate() was called
         for step in range(max_new_tokens):
-            if self._cancel.is_set():
+            if self._cancel:
                 yield GenerationChunk(-1, stream.flush(), "cancelled", time.perf_counter() - started)
                 return
             try:
@@ -332,11 +420,12 @@ class Session:
             except Cancelled:
                 yield GenerationChunk(-1, stream.flush(), "cancelled", time.perf_counter() - started)
                 return
+            if token in eos:  # not pushed: the end token's text is no part of the reply
+                yield GenerationChunk(token, stream.flush(), "eos", time.perf_counter() - started)
+                return
             piece = stream.push(token)
             reason = None
-            if token in eos and not ignore_eos:
-                reason, piece = "eos", piece + stream.flush()
-            elif stops and matcher.push(piece):
+            if stops and (matcher.push(piece) or token in stop_ids):
                 reason = "stop"
             elif step == max_new_tokens - 1 or self._room() < 1:  # the context is full: stop, keep the tokens
                 reason, piece = "length", piece + stream.flush()
@@ -349,6 +438,7 @@ class Session:
         """Prefill `prompt` and return the generated text (without the EOS). Raises ContextFull, before
         any state changes, when the prompt leaves no room for a new token."""
         _check_max_new_tokens(max_new_tokens)
+        _stop_strings(stop)  # checked before the prefill changes state
         ids = self._ids(prompt)
         if len(ids) + 1 > self._room():
             raise ContextFull(f"a prompt of {len(ids)} tokens leaves no room for a reply: the session holds "
@@ -419,6 +509,7 @@ class Conversation:
         self.session = session
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         self.last_prefill = 0  # tokens prefilled by the latest turn
+        self._open_turn: weakref.ref | None = None  # the latest send()'s stream (weakly: dropping it closes it)
 
     def _render(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the whole conversation, ending with the generation prompt."""
@@ -442,8 +533,21 @@ class Conversation:
         """Add a user message and stream the assistant's reply.
 
         The message is recorded once its prompt is prefilled (a failed turn leaves no trace in
-        `messages`), the reply when the stream ends."""
+        `messages`), the reply when the stream ends however it ends: a caller that stops reading
+        (break, an exception, close()) keeps the part it was given, which is what the session holds,
+        so the next turn follows an assistant message. A new send() first closes a stream left open.
+        Arguments are checked when called."""
         _check_max_new_tokens(max_new_tokens)
+        if not isinstance(text, str):
+            raise ConfigError(f"a message is a str, got {type(text).__name__}.")
+        previous = self._open_turn() if self._open_turn else None
+        if previous is not None:
+            previous.close()  # records its partial reply before this turn renders the history
+        turn = self._turn(text, max_new_tokens)
+        self._open_turn = weakref.ref(turn)
+        return turn
+
+    def _turn(self, text: str, max_new_tokens: int) -> Iterator[GenerationChunk]:
         session, tokenizer = self.session, self.session.engine.tokenizer
         message = {"role": "user", "content": text}
         ids = self._render([*self.messages, message])
@@ -459,11 +563,13 @@ class Conversation:
         self.last_prefill = session.prefill(ids[common:])
         self.messages.append(message)
         reply: list[int] = []
-        for chunk in session.generate(max_new_tokens):
-            if chunk.token_id >= 0 and chunk.token_id not in tokenizer.eos_token_ids:
-                reply.append(chunk.token_id)
-            yield chunk
-        self.messages.append({"role": "assistant", "content": tokenizer.decode(reply, skip_special_tokens=True)})
+        try:
+            for chunk in session.generate(max_new_tokens):
+                if chunk.token_id >= 0 and chunk.token_id not in tokenizer.eos_token_ids:
+                    reply.append(chunk.token_id)
+                yield chunk
+        finally:  # every token made is in the session: the history must hold it too
+            self.messages.append({"role": "assistant", "content": tokenizer.decode(reply, skip_special_tokens=True)})
 
 
 class StopStrings:
@@ -547,3 +653,60 @@ def _check_max_new_tokens(max_new_tokens: object) -> None:
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     shifted = logits - logits.max()
     return (shifted - np.log(np.exp(shifted).sum(dtype=np.float32))).astype(np.float32)
+
+
+def _path(value: object, what: str) -> Path:
+    """`value` as a Path, refusing what Path() would turn into a TypeError (None, a number)."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"{what} must be a path (a str or os.PathLike), got {value!r}.")
+    return Path(value)
+
+
+def _sampler_config(sampler: object) -> SamplerConfig:
+    """A SamplerConfig, or one made of the executors' SamplerParams (which have no repetition penalty)."""
+    if isinstance(sampler, SamplerConfig):
+        return sampler
+    if isinstance(sampler, SamplerParams):
+        return SamplerConfig(sampler.temperature, sampler.top_k, sampler.top_p, seed=sampler.seed)
+    raise ConfigError(f"sampler must be a litekv.SamplerConfig (or a SamplerParams), got {type(sampler).__name__}.")
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    """`stop` (None, a str or an iterable of str) as a tuple of non-empty strings."""
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stops, Iterable) or isinstance(stops, (bytes, bytearray)):
+        raise ConfigError(f"stop must be a str or a sequence of str, got {stop!r}.")
+    stops = tuple(stops)
+    if not all(isinstance(s, str) for s in stops):
+        raise ConfigError(f"stop must be a str or a sequence of str, got {stop!r}.")
+    if not all(stops):
+        raise ConfigError("stop strings must not be empty: \"\" would match before any text; leave it out.")
+    return stops
+
+
+def _special_stop_ids(tokenizer: Tokenizer, stops: tuple[str, ...]) -> frozenset[int]:
+    """Ids of the special tokens whose text is a stop string: streamed text leaves them out, so the
+    text matcher cannot see them."""
+    ids = (tokenizer.token_to_id(s) for s in stops)
+    return frozenset(i for i in ids if i is not None and tokenizer.decode([i], skip_special_tokens=True) == "")
+
+
+def _adapter_rank(path: Path) -> int:
+    """The highest rank an adapter's config gives any module (the reference runs adapters unpadded)."""
+    from litekv.executor.lora import _read_config
+
+    config = _read_config(path / "adapter_config.json")
+    return max([config.r, *(rank for _, rank in config.rank_pattern)])
+
+
+def adapter_fingerprint(adapter: LoraAdapter) -> str:
+    """SHA-256 (hex) of an adapter's factors as loaded, scales folded in; the same whatever LoRA rank a
+    bundle pads them to. A saved session records it, so another adapter under the same name is refused."""
+    digest = hashlib.sha256()
+    for (layer, target), (a, b) in sorted(adapter.factors.items()):
+        digest.update(f"{layer}.{target}".encode())
+        digest.update(np.ascontiguousarray(a[:adapter.rank]))
+        digest.update(np.ascontiguousarray(b[:, :adapter.rank]))
+    return digest.hexdigest()

@@ -84,8 +84,18 @@ def aligned_zeros(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
 def on_huge_pages(num_layers: int, shape: tuple[int, ...], dtype, huge_pages: bool) -> bool:
     """Whether KVCache.allocate puts a cache of these K/V buffer shapes on huge pages when asked to:
     where the platform has them (Linux) and the cache fills at least one."""
+    _check_sizes(num_layers=num_layers, shape=shape)
     nbytes = 2 * num_layers * int(np.prod(shape)) * np.dtype(dtype).itemsize
     return huge_pages and hasattr(mmap, "MADV_HUGEPAGE") and nbytes >= HUGE_PAGE_BYTES
+
+
+def _check_sizes(**sizes: int | tuple[int, ...]) -> None:
+    """ConfigError unless every size (or every entry of a shape) is a whole number: numpy would fail
+    on a float or str with a message that names neither the cache nor the argument."""
+    if not all(is_int(v) for value in sizes.values() for v in (value if isinstance(value, tuple) else (value,))):
+        given = ", ".join(f"{name}={value!r}" for name, value in sizes.items())
+        raise ConfigError(f"KV cache sizes must be whole numbers (an int batch_size, e.g. create_kv_cache(2)), "
+                          f"got {given}.")
 
 
 def _page_aligned_zeros(shape: tuple[int, ...], count: int, dtype) -> list[np.ndarray]:
@@ -177,6 +187,8 @@ class KVCache:
         resident only as tokens reach them (for devices short of memory)."""
         if layout not in LAYOUTS:
             raise ConfigError(f"unknown KV layout {layout!r}; choose one of {LAYOUTS}.")
+        _check_sizes(num_layers=num_layers, batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     capacity=capacity)
         if min(num_layers, batch_size, num_kv_heads, head_dim, capacity) <= 0:
             raise ConfigError("KV cache dimensions and batch size must be positive.")
         if row_scales and (np.dtype(dtype) != np.int8 or layout != "BSHD"):
@@ -447,8 +459,8 @@ class KVCache:
     def select_and_copy_from(self, other: "KVCache", batch_index: int) -> None:
         """other[batch_index] -> this[0] (valid tokens only); this cache takes other's token count."""
         self._check_compatible(other)
-        if not 0 <= batch_index < other.batch_size:
-            raise KVCacheError(f"batch index {batch_index} is outside 0..{other.batch_size - 1}.")
+        if not is_int(batch_index) or not 0 <= batch_index < other.batch_size:  # a bool is not an index
+            raise KVCacheError(f"batch index {batch_index!r} must be a whole number in 0..{other.batch_size - 1}.")
         n = other.num_tokens
         for (mine, blocked), (theirs, their_blocked) in zip(self._blocked_lists(), other._blocked_lists()):
             for dst, src in zip(mine, theirs):
@@ -525,6 +537,9 @@ class KVCache:
     def load(self, data: bytes) -> None:
         """Restore a serialized cache. Everything is checked first: on error this cache is unchanged."""
         self._check_valid()
+        if not _bytes_like(data):
+            raise KVCacheError(f"load takes the bytes that KVCache.serialize() returned, got {type(data).__name__}; "
+                               "read a saved cache with open(path, 'rb').read().")
         try:
             fields = parse(SCHEMA, data, IDENTIFIER)
         except FlatTableError as e:
@@ -608,6 +623,14 @@ def serialized_bytes_per_token(num_layers: int, batch_size: int, num_kv_heads: i
     float32 row scales when the cache has them."""
     per_head = 2 * head_dim * np.dtype(dtype).itemsize + (2 * 4 if row_scales else 0)
     return num_layers * batch_size * num_kv_heads * per_head
+
+
+def _bytes_like(data: object) -> bool:
+    try:
+        memoryview(data)
+    except TypeError:
+        return False
+    return True
 
 
 def _row_scale_buffer(batch_size: int, num_kv_heads: int, capacity: int) -> np.ndarray:

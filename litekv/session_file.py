@@ -17,16 +17,22 @@ from litekv.bundle import write_atomic
 from litekv.errors import SessionFormatError
 from litekv.flat_tables import TABLE_OVERHEAD, FlatTableError, build, max_table_bytes, parse
 
-FORMAT_VERSION = 1
+# 2 when the file holds its adapter's fingerprint, 1 otherwise: a litekv that reads only version 1
+# then asks to be upgraded instead of loading the session without checking its adapter.
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
 IDENTIFIER = b"LKVS"
-# Field order = vtable slots of litekv/schema/session.fbs.
+# Field order = vtable slots of litekv/schema/session.fbs. lora_fingerprint came last, so files
+# written before it read as sessions whose adapter cannot be checked.
 SCHEMA = (
     ("version", "uint32"), ("fingerprint", "string"), ("backend", "string"), ("tokens", "int32s"),
     ("kv_cache", "bytes"), ("sampler_temperature", "float32"), ("sampler_top_k", "int32"),
     ("sampler_top_p", "float32"), ("sampler_repetition_penalty", "float32"), ("sampler_seed", "int64"),
     ("sampler_draws", "uint64"), ("lora_name", "string"), ("created_unix", "float64"), ("checksum", "uint64"),
+    ("lora_fingerprint", "string"),
 )
-OPTIONAL = {"lora_name"}
+OPTIONAL = {"lora_name", "lora_fingerprint"}
+_CHECKSUM_SLOT = [name for name, _ in SCHEMA].index("checksum")
 _SAVE = "cannot save the session"
 
 
@@ -54,6 +60,7 @@ class SessionState:
     sampler: SamplerState
     lora_name: str | None = None
     created_unix: float = field(default_factory=time.time)
+    lora_fingerprint: str | None = None  # the adapter's as loaded (Engine); None in files older than it
 
     def __post_init__(self) -> None:
         tokens = self.tokens.tolist() if isinstance(self.tokens, np.ndarray) else self.tokens
@@ -69,19 +76,23 @@ def encode_session(state: SessionState) -> bytes:
         raise SessionFormatError(f"{_SAVE}: token ids must be in 0..2**31-1.")
     kv = np.frombuffer(state.kv_cache, np.uint8)
     _check_contents(state.fingerprint, tokens, kv, None, _SAVE)
-    size = TABLE_OVERHEAD + kv.nbytes + 4 * tokens.size + len(state.fingerprint) + len(state.lora_name or "")
+    if state.lora_fingerprint is not None and state.lora_name is None:
+        raise SessionFormatError(f"{_SAVE}: it has an adapter fingerprint but no adapter name.")
+    size = (TABLE_OVERHEAD + kv.nbytes + 4 * tokens.size + len(state.fingerprint) + len(state.lora_name or "")
+            + len(state.lora_fingerprint or ""))
     if size > max_table_bytes():
         raise SessionFormatError(
             f"{_SAVE}: it takes {size / 2**30:.2f} GiB ({len(tokens)} tokens and their KV cache), over the "
             f"{max_table_bytes() / 2**30:g} GiB limit of litekv's session format; save a shorter context "
             "(e.g. rewind the session first).")
     s = state.sampler
-    values = dict(version=FORMAT_VERSION, fingerprint=state.fingerprint, backend=state.backend,
+    version = 2 if state.lora_fingerprint is not None else 1  # see FORMAT_VERSION
+    values = dict(version=version, fingerprint=state.fingerprint, backend=state.backend,
                   tokens=tokens.astype(np.int32), kv_cache=kv, sampler_temperature=s.temperature,
                   sampler_top_k=s.top_k, sampler_top_p=s.top_p, sampler_repetition_penalty=s.repetition_penalty,
                   sampler_seed=s.seed, sampler_draws=s.draws, lora_name=state.lora_name,
-                  created_unix=state.created_unix)
-    missing = [name for name, _ in SCHEMA[:-1] if values[name] is None and name not in OPTIONAL]
+                  created_unix=state.created_unix, lora_fingerprint=state.lora_fingerprint)
+    missing = [name for name, _ in SCHEMA if name != "checksum" and values[name] is None and name not in OPTIONAL]
     if missing:
         raise SessionFormatError(f"{_SAVE}: missing {', '.join(missing)}.")
     try:
@@ -103,7 +114,11 @@ def decode_session(data: bytes, expected_fingerprint: str | None = None,
 
 def write_session(path: str | Path, state: SessionState) -> None:
     """Save atomically: readers see the previous file or the complete new one, never a torn file."""
-    write_atomic(Path(path), encode_session(state))
+    path = Path(path)
+    if not path.parent.is_dir():  # checked before a large cache is encoded for nothing
+        raise SessionFormatError(f"{_SAVE} to '{path}': the directory '{path.parent}' does not exist; create it "
+                                 "first or save elsewhere.")
+    write_atomic(path, encode_session(state))
 
 
 def read_session(path: str | Path, expected_fingerprint: str | None = None,
@@ -126,13 +141,15 @@ def _decode(data: bytes, expected_fingerprint: str | None, vocab_size: int | Non
     version = f["version"]
     if version is None:
         raise SessionFormatError(f"{where}: incomplete, it has no format version.")
+    readable = ", ".join(map(str, READABLE_FORMAT_VERSIONS))
     if version > FORMAT_VERSION:
         raise SessionFormatError(f"{where}: format version {version} is newer than this litekv reads "
-                                 f"(version {FORMAT_VERSION}); upgrade litekv to load it.")
-    if version != FORMAT_VERSION:
+                                 f"(versions {readable}); upgrade litekv to load it.")
+    if version not in READABLE_FORMAT_VERSIONS:
         raise SessionFormatError(f"{where}: unknown format version {version}; this litekv reads "
-                                 f"version {FORMAT_VERSION}.")
-    missing = [name for name, _ in SCHEMA if f[name] is None and name not in OPTIONAL]
+                                 f"versions {readable}.")
+    optional = OPTIONAL if version == 1 else set()  # version 2 is written for a session with an adapter
+    missing = [name for name, _ in SCHEMA if f[name] is None and name not in optional]
     if missing:
         raise SessionFormatError(f"{where}: incomplete, missing fields {', '.join(missing)}.")
     # Whole-buffer checksum: a damaged byte anywhere (padding and offsets too) is caught, not only in values.
@@ -147,7 +164,7 @@ def _decode(data: bytes, expected_fingerprint: str | None, vocab_size: int | Non
     sampler = SamplerState(f["sampler_temperature"], f["sampler_top_k"], f["sampler_top_p"],
                            f["sampler_repetition_penalty"], f["sampler_seed"], f["sampler_draws"])
     return SessionState(f["fingerprint"], f["backend"], f["tokens"], f["kv_cache"], sampler, f["lora_name"],
-                        f["created_unix"])
+                        f["created_unix"], f["lora_fingerprint"] if version == 2 else None)
 
 
 def _check_contents(fingerprint: str, tokens: np.ndarray, kv_blob: np.ndarray, expected: str | None,
@@ -175,7 +192,7 @@ def _checksum_position(buf: bytearray) -> int:
     """Where the checksum scalar sits in a buffer that `parse` accepted (so every offset is in range)."""
     root = struct.unpack_from("<I", buf, 0)[0]
     vtable = root - struct.unpack_from("<i", buf, root)[0]
-    return root + struct.unpack_from("<H", buf, vtable + 2 * (len(SCHEMA) + 1))[0]
+    return root + struct.unpack_from("<H", buf, vtable + 4 + 2 * _CHECKSUM_SLOT)[0]
 
 
 def _checksum(buf: bytearray, position: int) -> int:

@@ -8,7 +8,7 @@ import pytest
 
 from litekv import session_file as sf
 from litekv.errors import LitekvError, SessionFormatError
-from litekv.flat_tables import build
+from litekv.flat_tables import build, parse
 from litekv.kv_cache import KVCache
 
 FINGERPRINT = "model-aaaa-q8"
@@ -38,11 +38,12 @@ def make_state(num_tokens: int = 6, kv_tokens: int | None = None, **overrides) -
 def raw_values(state: sf.SessionState, **overrides) -> dict:
     """The table's field values, for building files encode_session refuses to write."""
     s = state.sampler
-    values = dict(version=sf.FORMAT_VERSION, fingerprint=state.fingerprint, backend=state.backend,
+    values = dict(version=2 if state.lora_fingerprint else 1, fingerprint=state.fingerprint, backend=state.backend,
                   tokens=np.asarray(state.tokens, np.int32), kv_cache=np.frombuffer(state.kv_cache, np.uint8),
                   sampler_temperature=s.temperature, sampler_top_k=s.top_k, sampler_top_p=s.top_p,
                   sampler_repetition_penalty=s.repetition_penalty, sampler_seed=s.seed, sampler_draws=s.draws,
-                  lora_name=state.lora_name, created_unix=state.created_unix, checksum=0)
+                  lora_name=state.lora_name, created_unix=state.created_unix, checksum=0,
+                  lora_fingerprint=state.lora_fingerprint)
     values.update(overrides)
     return values
 
@@ -161,9 +162,9 @@ def test_wrong_fingerprint_names_both(tmp_path):
 
 def test_future_version_asks_to_upgrade():
     # A newer writer may change everything after the version, even the checksum: no checksum here.
-    values = raw_values(make_state(), version=2)
+    values = raw_values(make_state(), version=3)
     del values["checksum"]
-    with pytest.raises(SessionFormatError, match=r"format version 2 .*version 1.*upgrade litekv"):
+    with pytest.raises(SessionFormatError, match=r"format version 3 .*versions 1, 2\).*upgrade litekv"):
         sf.decode_session(build(sf.SCHEMA, values, sf.IDENTIFIER))
 
 
@@ -204,6 +205,23 @@ def test_missing_required_field_is_refused(field):
     data = build(sf.SCHEMA, values, sf.IDENTIFIER) if field == "checksum" else build_checksummed(values)
     with pytest.raises(SessionFormatError, match=f"missing fields.*{field}"):
         sf.decode_session(data)
+
+
+def test_an_adapter_fingerprint_round_trips_in_version_2():
+    state = make_state(lora_fingerprint="ab" * 32)
+    data = sf.encode_session(state)
+    assert sf.decode_session(data) == state
+    assert parse(sf.SCHEMA, data, sf.IDENTIFIER)["version"] == 2  # a version-1 reader asks to upgrade
+    assert parse(sf.SCHEMA, sf.encode_session(make_state()), sf.IDENTIFIER)["version"] == 1
+    assert build_checksummed(raw_values(state)) == data
+
+
+def test_version_2_needs_the_adapter_fingerprint_and_a_fingerprint_needs_a_name():
+    values = raw_values(make_state(lora_fingerprint="ab" * 32), lora_fingerprint=None)
+    with pytest.raises(SessionFormatError, match="missing fields lora_fingerprint"):
+        sf.decode_session(build_checksummed(values))
+    with pytest.raises(SessionFormatError, match="no adapter name"):
+        sf.encode_session(make_state(lora_name=None, lora_fingerprint="ab" * 32))
 
 
 def test_damaged_embedded_kv_cache_is_refused():
