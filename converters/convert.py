@@ -13,9 +13,9 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from litekv.bundle import (ATTENTION_KINDS, BACKENDS, KV_CACHE_DTYPES, KV_CACHE_
 from litekv.durable import directory_in_use, exclusive_lock, fsync_path, hold_directory, replace_durably
 from litekv.errors import ConfigError, LitekvError
 from litekv.models.config import ModelConfig
+from litekv.validation import is_int
 
 from .checkpoint import load_checkpoint
 from .graph_ops import LORA_TARGETS, LoraSpec, Signature
@@ -98,7 +99,8 @@ class ConvertOptions:
     backend: str = "litert"
     quantize: str = "fp32"
     max_context: int = 4096
-    prefill_lengths: tuple[int, ...] = DEFAULT_PREFILL
+    # None: DEFAULT_PREFILL's lengths that fit max_context (see prefill_chunk_lengths)
+    prefill_lengths: tuple[int, ...] | None = None
     lora_rank: int | None = None
     lora_targets: tuple[str, ...] = LORA_TARGETS
     kv_buckets: tuple[int, ...] | None = None  # TFLite capacity buckets; default doubles from 256
@@ -136,18 +138,17 @@ class ConvertOptions:
     head_screen: bool = True
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # lists and ranges from Python callers: stored as tuples (hashable, immutable)
+            value = getattr(self, f.name)
+            if isinstance(value, Sequence) and not isinstance(value, (str, tuple)):
+                object.__setattr__(self, f.name, tuple(value))
         if self.backend not in BACKENDS:
             raise ConfigError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}.")
         if self.quantize not in WEIGHT_FORMATS:
             raise ConfigError(f"unknown quantization {self.quantize!r}; choose one of {', '.join(WEIGHT_FORMATS)}.")
-        if self.max_context <= 0:
-            raise ConfigError(f"--max-context must be positive, got {self.max_context}.")
-        if not self.prefill_lengths or any(t <= 0 for t in self.prefill_lengths):
-            raise ConfigError(f"prefill lengths must be positive integers, got {list(self.prefill_lengths)}.")
-        too_long = [t for t in self.prefill_lengths if t > self.max_context]
-        if too_long:
-            raise ConfigError(f"prefill length {too_long[0]} is above the max context {self.max_context}; "
-                              "lower it or raise --max-context.")
+        if not is_int(self.max_context) or self.max_context <= 0:
+            raise ConfigError(f"--max-context must be a positive whole number, got {self.max_context!r}.")
+        self._check_prefill_lengths()
         if self.lora_rank is not None and self.lora_rank < 1:
             raise ConfigError(f"--lora-rank must be at least 1, got {self.lora_rank}; omit it for no LoRA inputs.")
         unknown = set(self.lora_targets) - set(LORA_TARGETS)
@@ -207,6 +208,24 @@ class ConvertOptions:
                                   f"{', '.join(ATTENTION_KINDS)}.")
         QuantPlan.named(self.quantize, self.lm_head, self.embedding)  # validates the head/table choices
         self._check_key_blocks()
+
+    def _check_prefill_lengths(self) -> None:
+        if self.prefill_lengths is None:  # the defaults are chosen to fit
+            return
+        if not self.prefill_lengths or not all(is_int(t) and t > 0 for t in self.prefill_lengths):
+            raise ConfigError(f"prefill lengths must be positive integers, got {list(self.prefill_lengths)}.")
+        too_long = [t for t in self.prefill_lengths if t > self.max_context]
+        if too_long:
+            raise ConfigError(f"prefill length {too_long[0]} is above the max context {self.max_context}; "
+                              "lower it or raise --max-context.")
+
+    @property
+    def prefill_chunk_lengths(self) -> tuple[int, ...]:
+        """The prefill entry points' lengths, increasing: prefill_lengths, else DEFAULT_PREFILL's that
+        fit max_context, else (a context shorter than all of them) max_context itself."""
+        if self.prefill_lengths is not None:
+            return tuple(sorted(set(self.prefill_lengths)))
+        return tuple(t for t in DEFAULT_PREFILL if t <= self.max_context) or (self.max_context,)
 
     @property
     def plan(self) -> QuantPlan:
@@ -343,6 +362,22 @@ class ConvertOptions:
         return tuple(sorted(b for b in finer if b <= self.max_context))
 
 
+OPTION_NAMES = tuple(f.name for f in fields(ConvertOptions))
+
+
+def convert_options(base: ConvertOptions | None = None, **changes: Any) -> ConvertOptions:
+    """`base` (default: every default) with `changes`, keyword names of ConvertOptions fields. The one
+    way litekv.convert's keywords and the command line's flags become options."""
+    if base is not None and not isinstance(base, ConvertOptions):
+        raise ConfigError(f"options must be a ConvertOptions, got {type(base).__name__}; or pass its fields as "
+                          "keywords.")
+    unknown = sorted(set(changes) - set(OPTION_NAMES))
+    if unknown:
+        raise ConfigError(f"unknown conversion option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                          f"the options are {', '.join(OPTION_NAMES)}.")
+    return replace(base, **changes) if base is not None else ConvertOptions(**changes)
+
+
 def tflite_signatures(opts: ConvertOptions) -> list[Signature]:
     """Prefill and decode entry points for every capacity bucket (suffix-free at max), and one sampler.
 
@@ -359,7 +394,7 @@ def tflite_signatures(opts: ConvertOptions) -> list[Signature]:
         for capacity in opts.buckets():
             suffix = ("" if capacity == opts.max_context else f"_s{capacity}") + tail
             if capacity in prefill:
-                for tokens in sorted(set(opts.prefill_lengths)):
+                for tokens in opts.prefill_chunk_lengths:
                     if tokens <= capacity:
                         sigs.append(Signature(f"prefill_{tokens}{suffix}", tokens, capacity, lora, logits=False))
             if capacity in one_token:
@@ -607,7 +642,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
     tok = ckpt.tokenizer
     return Manifest(
         backend=options.backend, model_file=model_file, config=cfg, max_context=options.max_context,
-        prefill_lengths=tuple(sorted(set(options.prefill_lengths))), kv_buckets=options.buckets(),
+        prefill_lengths=options.prefill_chunk_lengths, kv_buckets=options.buckets(),
         kv_layout=layout, kv_dtype=options.kv_dtype, kv_row_scales=options.kv_row_scales,
         quantization=plan.to_dict(), lora_rank=options.lora_rank,
         lora_targets=tuple(options.lora_targets) if options.lora_rank else (), signatures=infos,
@@ -630,72 +665,76 @@ def _finish_manifest(manifest: Manifest, staging: Path, source: dict) -> Manifes
 # ---- command line --------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The converter's flags. Each option's dest is a ConvertOptions field and its default is absent,
+    so options_from_args passes only what was given and the defaults live in ConvertOptions alone."""
     parser.add_argument("source", help="GGUF file or Hugging Face model directory")
     parser.add_argument("-o", "--output", required=True, help="bundle directory to write")
-    parser.add_argument("--backend", choices=BACKENDS, default="litert")
-    parser.add_argument("--quantize", choices=WEIGHT_FORMATS, default="fp32")
-    parser.add_argument("--lm-head", choices=WEIGHT_FORMATS, help="LM head precision (default: int8 if quantized)")
-    parser.add_argument("--embedding", choices=EMBEDDING_FORMATS, help="embedding table precision")
-    parser.add_argument("--max-context", type=int, default=4096)
-    parser.add_argument("--prefill-lengths", default=",".join(map(str, DEFAULT_PREFILL)),
-                        help="comma-separated prefill signature lengths")
-    parser.add_argument("--kv-buckets", help="comma-separated KV capacities (TFLite), ending at --max-context")
-    parser.add_argument("--decode-buckets", help="comma-separated KV capacities of the one-token entry points "
-                        "(TFLite; default: --kv-buckets, else the max context alone with the attention "
-                        "kernel, finer than the prefill buckets with --decode-attention graph)")
-    parser.add_argument("--lora-rank", type=int, help="add LoRA inputs of this rank on q, k, v and o")
-    parser.add_argument("--no-sampler", action="store_true", help="omit the in-graph sampling entry points")
-    parser.add_argument("--no-head-screen", action="store_true",
-                        help="no int8 screen beside an fp32 LM head: in-graph sampling then reads the whole head")
-    parser.add_argument("--kv-key-blocks", action="store_true",
-                        help="keep an int8 cache's keys in blocks of 8 slots, which litekv's decode kernel scores "
-                        "without reduction trees on x86-64 CPUs with AVX2 and no AVX-512 (a 2,048-token int4 step "
-                        "2-3 %% shorter there); other CPUs read them rewritten as rows, slower")
-    parser.add_argument("--kv-cache", choices=KV_CACHE_FORMATS,
-                        help="KV cache precision: fp16 reads half the bytes per step, int8 a quarter (default: "
-                        "fp32 for ONNX; for LiteRT int8 with --quantize int4, or int8 with litekv's linear kernels, "
-                        "with the decode kernel and without --lora-rank, else fp16); int8-row (LiteRT, litekv's kernels): int8 codes with a scale "
-                        "per token and KV head, computed as each row is written, so nothing is calibrated")
-    parser.add_argument("--decode-attention", choices=ATTENTION_KINDS,
-                        help="one-token attention: kernel (default; litekv's compiled custom op, which reads the "
-                        "cache once; on ONNX for a float32 cache without --lora-rank) or graph (the runtime's own "
-                        "ops: builtins on LiteRT, GroupQueryAttention on ONNX)")
-    parser.add_argument("--prefill-attention", choices=ATTENTION_KINDS,
-                        help="prefill-chunk attention: kernel (default; litekv's custom op, which reads only the "
-                        "slots a chunk sees, so on LiteRT one entry point per chunk length serves every context; on "
-                        "ONNX as for --decode-attention) or graph (LiteRT builtins, one entry point per chunk length "
-                        "and capacity; ONNX GroupQueryAttention)")
-    parser.add_argument("--decode-linears", choices=ATTENTION_KINDS,
-                        help="one-token steps' quantized linears: kernel (litekv's custom ops, on the threads of its "
-                        "attention kernel, with activations rounded per 32; prefill keeps the runtime's matmuls (int4 "
-                        "ones: see --prefill-linears) and the weights are stored once; default on LiteRT with int4 or int8 weights and the attention "
-                        "kernel, on ONNX with int4 weights, in a decode graph of its own; never with --lora-rank) or "
-                        "graph (XNNPACK's FULLY_CONNECTED, ONNX Runtime's MatMulNBits)")
-    parser.add_argument("--prefill-linears", choices=ATTENTION_KINDS,
-                        help="prefill chunks' int4 linears: kernel (litekv's custom op, over the weights the steps "
-                        "read; default where the steps' linears are litekv's and the weights int4) or graph "
-                        "(XNNPACK's block-wise int4 FULLY_CONNECTED, ONNX Runtime's MatMulNBits)")
+    group = parser.add_argument_group("conversion options", argument_default=argparse.SUPPRESS)
+    group.add_argument("--backend", choices=BACKENDS, help="runtime of the bundle (default: litert)")
+    group.add_argument("--quantize", choices=WEIGHT_FORMATS, help="weight precision (default: fp32)")
+    group.add_argument("--lm-head", choices=WEIGHT_FORMATS, help="LM head precision (default: int8 if quantized)")
+    group.add_argument("--embedding", choices=EMBEDDING_FORMATS, help="embedding table precision")
+    group.add_argument("--max-context", type=int, help="tokens a session can hold (default: 4096)")
+    group.add_argument("--prefill-lengths", type=_ints, help="comma-separated prefill signature lengths (default: "
+                       f"those of {','.join(map(str, DEFAULT_PREFILL))} up to --max-context)")
+    group.add_argument("--kv-buckets", type=_ints,
+                       help="comma-separated KV capacities (TFLite), ending at --max-context")
+    group.add_argument("--decode-buckets", type=_ints, help="comma-separated KV capacities of the one-token entry "
+                       "points (TFLite; default: --kv-buckets, else the max context alone with the attention "
+                       "kernel, finer than the prefill buckets with --decode-attention graph)")
+    group.add_argument("--lora-rank", type=int, help="add LoRA inputs of this rank (on --lora-targets)")
+    group.add_argument("--lora-targets", type=_names,
+                       help=f"comma-separated projections that take LoRA inputs (default: {','.join(LORA_TARGETS)})")
+    group.add_argument("--no-sampler", dest="sampler", action="store_false",
+                       help="omit the in-graph sampling entry points")
+    group.add_argument("--no-head-screen", dest="head_screen", action="store_false",
+                       help="no int8 screen beside an fp32 LM head: in-graph sampling then reads the whole head")
+    group.add_argument("--kv-key-blocks", dest="key_blocks", action="store_true",
+                       help="keep an int8 cache's keys in blocks of 8 slots, which litekv's decode kernel scores "
+                       "without reduction trees on x86-64 CPUs with AVX2 and no AVX-512 (a 2,048-token int4 step "
+                       "2-3 %% shorter there); other CPUs read them rewritten as rows, slower")
+    group.add_argument("--kv-cache", choices=KV_CACHE_FORMATS,
+                       help="KV cache precision: fp16 reads half the bytes per step, int8 a quarter (default: "
+                       "fp32 for ONNX; for LiteRT int8 with --quantize int4, or int8 with litekv's linear kernels, "
+                       "with the decode kernel and without --lora-rank, else fp16); int8-row (LiteRT, litekv's "
+                       "kernels): int8 codes with a scale per token and KV head, computed as each row is written, "
+                       "so nothing is calibrated")
+    group.add_argument("--decode-attention", choices=ATTENTION_KINDS,
+                       help="one-token attention: kernel (default; litekv's compiled custom op, which reads the "
+                       "cache once; on ONNX for a float32 cache without --lora-rank) or graph (the runtime's own "
+                       "ops: builtins on LiteRT, GroupQueryAttention on ONNX)")
+    group.add_argument("--prefill-attention", choices=ATTENTION_KINDS,
+                       help="prefill-chunk attention: kernel (default; litekv's custom op, which reads only the "
+                       "slots a chunk sees, so on LiteRT one entry point per chunk length serves every context; on "
+                       "ONNX as for --decode-attention) or graph (LiteRT builtins, one entry point per chunk length "
+                       "and capacity; ONNX GroupQueryAttention)")
+    group.add_argument("--decode-linears", choices=ATTENTION_KINDS,
+                       help="one-token steps' quantized linears: kernel (litekv's custom ops, on the threads of its "
+                       "attention kernel, with activations rounded per 32; prefill keeps the runtime's matmuls (int4 "
+                       "ones: see --prefill-linears) and the weights are stored once; default on LiteRT with int4 or "
+                       "int8 weights and the attention kernel, on ONNX with int4 weights, in a decode graph of its "
+                       "own; never with --lora-rank) or graph (XNNPACK's FULLY_CONNECTED, ONNX Runtime's MatMulNBits)")
+    group.add_argument("--prefill-linears", choices=ATTENTION_KINDS,
+                       help="prefill chunks' int4 linears: kernel (litekv's custom op, over the weights the steps "
+                       "read; default where the steps' linears are litekv's and the weights int4) or graph "
+                       "(XNNPACK's block-wise int4 FULLY_CONNECTED, ONNX Runtime's MatMulNBits)")
 
 
-def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
-    if text is None:
-        return None
+def _ints(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated whole numbers (argparse reports the message and exits with 2)."""
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as e:
-        raise ConfigError(f"{flag} takes comma-separated integers, got {text!r}.") from e
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def options_from_args(args: argparse.Namespace) -> ConvertOptions:
-    return ConvertOptions(
-        backend=args.backend, quantize=args.quantize, max_context=args.max_context,
-        prefill_lengths=_ints(args.prefill_lengths, "--prefill-lengths"), lora_rank=args.lora_rank,
-        kv_buckets=_ints(args.kv_buckets, "--kv-buckets"),
-        decode_buckets=_ints(args.decode_buckets, "--decode-buckets"), lm_head=args.lm_head, embedding=args.embedding,
-        sampler=not args.no_sampler, kv_cache=args.kv_cache, decode_attention=args.decode_attention,
-        prefill_attention=args.prefill_attention, decode_linears=args.decode_linears,
-        prefill_linears=args.prefill_linears, key_blocks=args.kv_key_blocks, head_screen=not args.no_head_screen,
-    )
+    """The given flags as options, through the path litekv.convert's keywords take."""
+    return convert_options(**{name: getattr(args, name) for name in OPTION_NAMES if hasattr(args, name)})
 
 
 def run_from_args(args: argparse.Namespace) -> int:

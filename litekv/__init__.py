@@ -7,29 +7,32 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Any
 
 from litekv.engine import Conversation, Engine, GenerationChunk, SamplerConfig, Session
 from litekv.errors import (AcceleratorUnavailable, Cancelled, CheckpointError, ConfigError, ContextFull,
                            LitekvError)
 from litekv.kv_cache import KVCache
 
+if TYPE_CHECKING:  # the converter needs litekv[convert]; imported when convert() runs
+    from litekv.converters.convert import ConvertOptions
+
 __version__ = "0.1.0"
 
 
-def convert(source: str | Path, output: str | Path, backend: str = "litert", quantize: str = "fp32",
-            max_context: int = 4096, prefill_lengths: Sequence[int] = (32, 128, 512),
-            lora_rank: int | None = None, kv_cache: str | None = None) -> Path:
+def convert(source: str | Path, output: str | Path, *, options: ConvertOptions | None = None,
+            **changes: Any) -> Path:
     """Convert a GGUF file or Hugging Face directory into a bundle (needs `litekv[convert]`).
 
-    kv_cache: "fp32", "fp16", "int8" or "int8-row" (LiteRT); None takes the converter's default for these
-    weights."""
-    from litekv.converters.convert import ConvertOptions
+    Keywords are the fields of `litekv.converters.convert.ConvertOptions`, the command line's flags by
+    their Python names (backend, quantize, max_context, prefill_lengths, kv_cache, key_blocks,
+    decode_attention, ...); an unknown one raises ConfigError listing them. `options`, if given, is the
+    starting point the keywords change. Unset ones keep the converter's defaults: e.g. prefill_lengths
+    are those of 32, 128, 512 that fit max_context."""
     from litekv.converters.convert import convert as run
+    from litekv.converters.convert import convert_options
 
-    options = ConvertOptions(backend=backend, quantize=quantize, max_context=max_context,
-                             prefill_lengths=tuple(prefill_lengths), lora_rank=lora_rank, kv_cache=kv_cache)
-    return run(source, output, options)
+    return run(source, output, convert_options(options, **changes))
 
 
 __all__ = ["Engine", "Session", "Conversation", "SamplerConfig", "GenerationChunk", "KVCache", "convert",

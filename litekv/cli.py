@@ -5,11 +5,12 @@ import argparse
 import json
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Sequence
 
-from litekv.errors import Cancelled, LitekvError
+from litekv.errors import Cancelled, ContextFull, LitekvError
 
 
 def _engine(args: argparse.Namespace):
@@ -37,12 +38,12 @@ def _generate(args: argparse.Namespace) -> int:
     ready = time.perf_counter()
     session.prefill(prompt)
     count, first, last = 0, None, 0.0
+    printer = _Printer(tokenizer)
     for chunk in session.generate(args.max_new_tokens):
         first = chunk.elapsed if first is None else first
         last = chunk.elapsed
         count += chunk.token_id >= 0 and chunk.finish_reason != "eos"
-        sys.stdout.write(chunk.text.replace(tokenizer.eos_token or "\0", ""))
-        sys.stdout.flush()
+        printer.write(chunk)
     sys.stdout.write("\n")
     rate = (count - 1) / (last - first) if count > 1 and last > first else 0.0
     print(f"[{engine.config.architecture} {engine.backend}, ready in {ready - started:.1f}s, prompt {len(prompt)} "
@@ -50,57 +51,142 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _chat(args: argparse.Namespace) -> int:
-    """Interactive chat. Ctrl-C stops the current answer; /save PATH, /load PATH, /quit."""
-    from litekv.engine import Conversation
+class _Printer:
+    """Writes a stream's text without special tokens. A chunk's text spells every token, and a model
+    ends with any of its end ids (SmolLM2: <|im_end|> or <|endoftext|>; Gemma: <end_of_turn> or <eos>),
+    so the ids are decoded again with the tokenizer's special ones skipped."""
 
+    def __init__(self, tokenizer):
+        self._decoder = tokenizer.stream_decoder(skip_special_tokens=True)
+
+    def write(self, chunk) -> None:
+        text = self._decoder.push(chunk.token_id) if chunk.token_id >= 0 else ""
+        if chunk.finish_reason:
+            text += self._decoder.flush()
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        """Write what a stream that ended without a last chunk (an error) left held back."""
+        sys.stdout.write(self._decoder.flush())
+
+
+CHAT_HELP = "/save PATH, /load PATH, /reset (a new conversation), /help, /quit; //text sends /text"
+
+
+def _chat(args: argparse.Namespace) -> int:
+    """Interactive chat. Ctrl-C stops the current answer (twice: exits); slash commands: CHAT_HELP."""
     engine = _engine(args)
-    chat = engine.create_conversation(system=args.system, sampler=_sampler(args))
-    eos = engine.tokenizer.eos_token or "\0"
-    print("litekv chat: type a message; Ctrl-C stops an answer; /save PATH, /load PATH, /quit", flush=True)
+    state = _ChatState(engine, lambda: engine.create_conversation(system=args.system, sampler=_sampler(args)))
+    print(f"litekv chat: type a message; Ctrl-C stops an answer; {CHAT_HELP}", flush=True)
     while True:
         try:
-            line = input("> ")
+            line = input("> ").strip()
         except (EOFError, KeyboardInterrupt):
             print()
             return 0
-        line = line.strip()
-        if not line:
-            continue
-        if line in ("/quit", "/exit"):
-            return 0
-        if line.startswith(("/save ", "/load ")):
-            command, path = line.split(maxsplit=1)
+        if line.startswith("/") and not line.startswith("//"):
+            if not state.command(line):
+                return 0
+        elif line:
+            _answer(state.chat, line[1:] if line.startswith("//") else line)
+
+
+class _ChatState:
+    """The chat's conversation and its slash commands."""
+
+    TAKE_A_PATH = ("/save", "/load")
+
+    def __init__(self, engine, new_chat):
+        self.engine, self._new_chat = engine, new_chat
+        self.chat = new_chat()
+
+    def command(self, line: str) -> bool:
+        """Run one slash command; False when it quits."""
+        name, _, arg = line.partition(" ")
+        arg = arg.strip()
+        commands = {"/save": self._save, "/load": self._load, "/reset": self._reset, "/new": self._reset,
+                    "/help": self._help, "/quit": None, "/exit": None}
+        if name not in commands:
+            _say(f"unknown command {name}; the commands are {CHAT_HELP}")
+        elif (name in self.TAKE_A_PATH) != bool(arg):
+            _say(f"usage: {name} PATH" if name in self.TAKE_A_PATH else f"{name} takes no argument")
+        elif commands[name] is None:
+            return False
+        else:
             try:
-                if command == "/save":
-                    chat.session.save(path)
-                    print(f"[saved {len(chat.session.tokens)} tokens to {path}]", flush=True)
-                else:
-                    # The restored tokens are the history: the conversation continues after them.
-                    chat = Conversation(engine.load_session(path))
-                    print(f"[loaded {len(chat.session.tokens)} tokens from {path}]", flush=True)
+                commands[name](arg)
             except LitekvError as e:
-                print(f"[error: {e}]", flush=True)
-            continue
-        _answer(chat, line, eos)
+                _say(f"error: {e}")
+        return True
+
+    def _save(self, path: str) -> None:
+        self.chat.session.save(path)
+        _say(f"saved {len(self.chat.session.tokens)} tokens to {path}")
+
+    def _load(self, path: str) -> None:
+        from litekv.engine import Conversation
+
+        # The restored tokens are the history: the conversation continues after them.
+        self.chat = Conversation(self.engine.load_session(path))
+        _say(f"loaded {len(self.chat.session.tokens)} tokens from {path}")
+
+    def _reset(self, _: str) -> None:
+        self.chat = self._new_chat()  # the system message and sampler the chat started with
+        _say("new conversation")
+
+    def _help(self, _: str) -> None:
+        _say(f"Ctrl-C stops an answer, twice exits; {CHAT_HELP}")
 
 
-def _answer(chat, line: str, eos: str) -> None:
-    """Stream one answer; SIGINT cancels the session's generation instead of exiting."""
-    previous = signal.signal(signal.SIGINT, lambda *_: chat.session.cancel())
-    try:
-        for chunk in chat.send(line):
-            sys.stdout.write(chunk.text.replace(eos, ""))
-            sys.stdout.flush()
-            if chunk.finish_reason == "cancelled":
-                sys.stdout.write(" [stopped]")
-    except Cancelled:  # Ctrl-C during the prompt's prefill
-        sys.stdout.write(" [stopped]")
-    except LitekvError as e:  # e.g. a full context: report it and keep the chat open
-        sys.stdout.write(f" [error: {e}]")
-    finally:
-        signal.signal(signal.SIGINT, previous)
+def _say(message: str) -> None:
+    print(f"[{message}]", flush=True)
+
+
+def _answer(chat, line: str) -> None:
+    """Stream one answer; Ctrl-C cancels it (a second one exits)."""
+    printer = _Printer(chat.session.engine.tokenizer)
+    with _CancelOnInterrupt(chat.session):
+        try:
+            for chunk in chat.send(line):
+                printer.write(chunk)
+                if chunk.finish_reason == "cancelled":
+                    sys.stdout.write(" [stopped]")
+        except Cancelled:  # Ctrl-C during the prompt's prefill
+            sys.stdout.write(" [stopped]")
+        except ContextFull as e:
+            sys.stdout.write(f" [error: {e} Type /reset to start one (/save PATH first to keep this one).]")
+        except LitekvError as e:
+            sys.stdout.write(f" [error: {e}]")
+        finally:
+            printer.close()
     print(flush=True)
+
+
+class _CancelOnInterrupt:
+    """SIGINT handling while an answer streams. The handler runs on the main thread, which may be
+    inside a model call holding the executor's lock, so it must not call into the session there: it
+    starts a daemon thread that cancels, and the stream ends at the next step. A second Ctrl-C raises
+    KeyboardInterrupt, which exits the chat."""
+
+    def __init__(self, session):
+        self._session = session
+        self._cancelling: threading.Thread | None = None
+
+    def handler(self, signum: int, frame: object) -> None:
+        if self._cancelling is not None:
+            raise KeyboardInterrupt
+        self._cancelling = threading.Thread(target=self._session.cancel, name="litekv-cancel", daemon=True)
+        self._cancelling.start()
+
+    def __enter__(self) -> "_CancelOnInterrupt":
+        self._previous = signal.signal(signal.SIGINT, self.handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+        if self._cancelling is not None:  # done before the next turn, which it must not cancel
+            self._cancelling.join(timeout=2.0)
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -187,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     _model_args(gen)
     gen.set_defaults(run=_generate)
-    chat = sub.add_parser("chat", help="interactive chat (Ctrl-C stops an answer; /save, /load)")
+    chat = sub.add_parser("chat", help="interactive chat (Ctrl-C stops an answer; /save, /load, /reset, /help)")
     chat.add_argument("--system", help="system message")
     _model_args(chat)
     chat.set_defaults(run=_chat)
