@@ -20,6 +20,7 @@ import numpy as np
 
 from litekv.errors import Cancelled, ChatTemplateError, ConfigError, ContextFull, SessionFormatError
 from litekv.executor import LoraAdapter, LoraError, LoraInUse, SamplerParams, load_peft_adapter
+from litekv.executor.lora import adapter_rank
 from litekv.kv_cache import KVCache, KVCacheError
 from litekv.sampling import sample_token
 from litekv.tokenizer import Tokenizer
@@ -146,7 +147,7 @@ class Engine:
         executor = self.executor
         if executor.lora_rank is None:
             raise LoraError("this model was converted without LoRA inputs; reconvert it with --lora-rank R.")
-        rank = _adapter_rank(path) if self._adapter_rank_from_file else executor.lora_rank
+        rank = adapter_rank(path) if self._adapter_rank_from_file else executor.lora_rank
         return load_peft_adapter(path, self.config, rank, executor.lora_targets, name)
 
     def unload_lora(self, name: str) -> None:
@@ -691,14 +692,6 @@ def _special_stop_ids(tokenizer: Tokenizer, stops: tuple[str, ...]) -> frozenset
     text matcher cannot see them."""
     ids = (tokenizer.token_to_id(s) for s in stops)
     return frozenset(i for i in ids if i is not None and tokenizer.decode([i], skip_special_tokens=True) == "")
-
-
-def _adapter_rank(path: Path) -> int:
-    """The highest rank an adapter's config gives any module (the reference runs adapters unpadded)."""
-    from litekv.executor.lora import _read_config
-
-    config = _read_config(path / "adapter_config.json")
-    return max([config.r, *(rank for _, rank in config.rank_pattern)])
 
 
 def adapter_fingerprint(adapter: LoraAdapter) -> str:

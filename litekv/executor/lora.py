@@ -100,6 +100,13 @@ def _first_match(patterns, module: str, default):
     return next((value for regex, value in patterns if regex.match(module)), default)
 
 
+def adapter_rank(path: str | Path) -> int:
+    """The highest rank the PEFT adapter at `path` gives any module (its config only; the reference
+    backend runs adapters at their own rank, unpadded)."""
+    config = _read_config(Path(path) / "adapter_config.json")
+    return max([config.r, *(rank for _, rank in config.rank_pattern)])
+
+
 def _read_config(config_path: Path) -> _PeftConfig:
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
