@@ -231,10 +231,8 @@ class Engine:
     def _check_session_adapter(self, path: Path, name: str | None, fingerprint: str | None) -> None:
         if not name:
             return
-        if name not in self._adapters:
-            raise ConfigError(f"the session used LoRA adapter {name!r}; load it with engine.load_lora before "
-                              "loading the session.")
-        loaded = self._adapters[name].fingerprint
+        loaded = self._adapter(name, "; the session was saved with it: call engine.load_lora before loading the "
+                                     "session").fingerprint
         if fingerprint is not None and fingerprint != loaded:
             raise SessionFormatError(
                 f"{path} was saved with another adapter than the one loaded as {name!r} (adapter fingerprint "
