@@ -5,17 +5,15 @@ token count and KV capacity, the KV layout, quantization, LoRA inputs and the mo
 """
 from __future__ import annotations
 
-import errno
 import json
 import math
-import os
 import re
-import tempfile
 from dataclasses import MISSING, InitVar, asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from litekv.atomic_file import write_atomic
 from litekv.errors import ConfigError, LitekvError
 from litekv.models.config import ACTIVATIONS, LAYER_KINDS, ModelConfig, RopeConfig
 from litekv.onnx_external_data import external_tensors
@@ -250,26 +248,6 @@ def _bundle_file(bundle: Path, name: str, what: str, required: bool = True) -> N
             raise BundleError(f"{bundle}: the {what} {name} is missing; reconvert the model.")
     elif not resolved.is_file():
         raise BundleError(f"{bundle}: the {what} {name} is not a regular file; reconvert the model.")
-
-
-def write_atomic(path: Path, data: bytes | str) -> None:
-    """Write a file so readers see the old or the new content, never a torn one."""
-    path = Path(path)
-    raw = data.encode() if isinstance(data, str) else data
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except FileNotFoundError as e:  # say which file, not the temporary name mkstemp picked
-        raise FileNotFoundError(errno.ENOENT, f"cannot write {path}: its directory {path.parent} does not exist; "
-                                "create it first") from e
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _check_kinds(manifest: Manifest, where: str) -> None:
