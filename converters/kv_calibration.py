@@ -14,6 +14,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from litekv.errors import CheckpointError
 from litekv.models.config import ModelConfig
 from litekv.reference import ReferenceModel
 from litekv.tokenizer import Tokenizer
@@ -67,6 +68,11 @@ def int8_kv_scales(cfg: ModelConfig, weights: Mapping[str, np.ndarray], tokenize
         if progress:
             progress(done, len(texts), text)
     key_bound, value_bound = np.max(key_bounds, axis=0), np.max(value_bounds, axis=0)
+    if not (np.isfinite(key_bound).all() and np.isfinite(value_bound).all()):
+        # an infinite scale would quantize every key or value to 0 in a bundle that otherwise looks fine
+        raise CheckpointError("int8 KV calibration overflowed float32 (a key or value bound came out inf or NaN on "
+                              "the calibration texts), so the checkpoint's weights are most likely damaged; check "
+                              "them, or convert with --kv-cache fp16 or fp32.")
     return _scale(key_bound, KEY_HEADROOM), _scale(value_bound, VALUE_HEADROOM)
 
 

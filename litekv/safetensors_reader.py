@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
@@ -47,7 +48,7 @@ class SafetensorsFile:
                 if header_len > min(_MAX_HEADER, size - 8):
                     raise CheckpointError(f"{self.path}: safetensors header length {header_len} is out of range; "
                                           "the file is truncated or not a safetensors file.")
-                header = json.loads(f.read(header_len))
+                header = json.loads(f.read(header_len), object_pairs_hook=self._unique_keys)
         except OSError as e:
             raise CheckpointError(f"{self.path}: cannot read the file ({e.strerror or e}).") from e
         except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -57,6 +58,14 @@ class SafetensorsFile:
                                   "of tensors; the file is damaged or not a safetensors file.")
         header.pop("__metadata__", None)
         return header, header_len, size
+
+    def _unique_keys(self, pairs: list[tuple[str, object]]) -> dict:
+        # json keeps the last of two equal keys; another reader may take the first, so neither is trusted.
+        obj = dict(pairs)
+        if len(obj) != len(pairs):
+            twice = next(key for key, count in Counter(key for key, _ in pairs).items() if count > 1)
+            raise CheckpointError(f"{self.path}: safetensors header names {twice!r} twice; the file is damaged.")
+        return obj
 
     def _check(self, name: str, meta: object) -> tuple[str, tuple[int, ...], int, int]:
         where = f"{self.path}: header entry for tensor {name!r}"
@@ -88,6 +97,9 @@ class SafetensorsFile:
 
     def names(self) -> list[str]:
         return list(self._entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entries[name][1]
 
     def read(self, name: str) -> np.ndarray:
         dtype, shape, begin, end = self._entries[name]
