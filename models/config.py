@@ -19,6 +19,7 @@ log = logging.getLogger("litekv.config")
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_KINDS = ("full", "sliding")
+_REQUIRED: Any = object()  # a config field's default that means "the field must be present"
 
 
 @dataclass(frozen=True)
@@ -60,18 +61,30 @@ class RopeConfig:
         return inv
 
     @classmethod
-    def from_hf(cls, params: Mapping[str, Any] | None, default_theta: float) -> "RopeConfig":
-        """Parse a transformers `rope_parameters` / legacy `rope_scaling` dict."""
-        params = dict(params or {})
-        kind = params.get("rope_type", params.get("type", "default")) or "default"
-        theta = float(params.get("rope_theta", default_theta))
+    def from_hf(cls, params: Mapping[str, Any] | None, default_theta: float, where: str = "config.json",
+                max_position: int | None = None) -> "RopeConfig":
+        """Parse a transformers `rope_parameters` / legacy `rope_scaling` dict. The fields a scaling type
+        needs must be present (transformers refuses such a config too), except llama3's
+        original_max_position_embeddings, which defaults to `max_position` as in transformers 5."""
+        if params is None:
+            params = {}
+        where = f"{where} rope_scaling"
+        if not isinstance(params, Mapping):
+            raise ConfigError(f"{where} must be an object such as {{\"rope_type\": \"linear\", \"factor\": 2.0}}, "
+                              f"got {params!r}; fix config.json.")
+        kind = params.get("rope_type") or params.get("type") or "default"
+        if kind not in ("default", "linear", "llama3"):
+            raise ConfigError(f"{where}: RoPE scaling type {kind!r} is not supported; litekv supports default, linear "
+                              "and llama3, so this model cannot be converted as it is.")
+        llama3 = kind == "llama3"
         return cls(
-            theta=theta,
+            theta=float_field(params, "rope_theta", where, default_theta),
             kind=kind,
-            factor=float(params.get("factor", 1.0)),
-            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+            factor=float_field(params, "factor", where, 1.0 if kind == "default" else _REQUIRED),
+            low_freq_factor=float_field(params, "low_freq_factor", where, _REQUIRED if llama3 else 1.0),
+            high_freq_factor=float_field(params, "high_freq_factor", where, _REQUIRED if llama3 else 4.0),
+            original_max_position=int_field(params, "original_max_position_embeddings", where,
+                                            (max_position or _REQUIRED) if llama3 else 8192),
         )
 
 
@@ -194,9 +207,65 @@ def require(source: Mapping[str, Any], key: str, where: str) -> Any:
     return source[key]
 
 
-def as_id_tuple(value: Any) -> tuple[int, ...]:
+def int_field(source: Mapping[str, Any], key: str, where: str, default: Any = _REQUIRED, minimum: int = 1) -> Any:
+    """A whole-number config field of at least `minimum` (`default` when absent or null). A fraction
+    (8.0 is 8), a string or a bool is a `ConfigError`, never truncated or converted."""
+    value = source.get(key)
+    if value is None:
+        return _absent(source, key, where, default)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not is_int(value) or value < minimum:
+        raise ConfigError(f"{where}: {key} must be an integer of at least {minimum}, got {value!r}; fix config.json "
+                          "or re-export the checkpoint.")
+    return int(value)
+
+
+def float_field(source: Mapping[str, Any], key: str, where: str, default: Any = _REQUIRED) -> Any:
+    """A finite number config field (`default` when absent or null)."""
+    value = source.get(key)
+    if value is None:
+        return _absent(source, key, where, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{where}: {key} must be a finite number, got {value!r}; fix config.json or re-export "
+                          "the checkpoint.")
+    return float(value)
+
+
+def bool_field(source: Mapping[str, Any], key: str, where: str, default: bool) -> bool:
+    """A true/false config field (`default` when absent or null); "false" as a string is refused, not true."""
+    value = source.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: {key} must be true or false, got {value!r}; fix config.json.")
+    return value
+
+
+def _absent(source: Mapping[str, Any], key: str, where: str, default: Any) -> Any:
+    if default is _REQUIRED:
+        require(source, key, where)  # raises: the field is missing or null
+    return default
+
+
+HF_LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
+
+
+def hf_layer_kinds(kinds: Any, where: str) -> tuple[str, ...]:
+    """transformers' layer_types ("full_attention" / "sliding_attention") as litekv's layer kinds."""
+    known = isinstance(kinds, (list, tuple)) and all(isinstance(k, str) and k in HF_LAYER_KINDS for k in kinds)
+    if not known or not kinds:
+        raise ConfigError(f"{where}: layer_types must be a list of {' / '.join(HF_LAYER_KINDS)}, got {kinds!r}; "
+                          "litekv supports no other kind of attention layer.")
+    return tuple(HF_LAYER_KINDS[k] for k in kinds)
+
+
+def as_id_tuple(value: Any, where: str = "config.json") -> tuple[int, ...]:
+    """Token ids given as null, one id or a list of ids."""
     if value is None:
         return ()
-    if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value)
-    return (int(value),)
+    ids = value if isinstance(value, (list, tuple)) else [value]
+    if not all(is_int(v) and v >= 0 for v in ids):
+        raise ConfigError(f"{where}: eos_token_id must be a token id or a list of token ids, got {value!r}; "
+                          "fix config.json.")
+    return tuple(int(v) for v in ids)

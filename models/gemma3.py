@@ -9,7 +9,7 @@ import numpy as np
 from . import llama
 from .base import ArchitectureSpec, register
 from .blocks import attention_block, gated_mlp
-from .config import ModelConfig, RopeConfig, require
+from .config import ModelConfig, RopeConfig, float_field, hf_layer_kinds, int_field
 from .ops import Ops, Tensor
 
 HF_NAMES = {
@@ -57,8 +57,9 @@ def forward(ops: Ops, cfg: ModelConfig) -> Tensor:
     return ops.logits(ops.rms_norm(x, "final_norm", cfg.norm_eps), "lm_head")
 
 
-def default_layer_types(num_layers: int) -> tuple[str, ...]:
-    return tuple("full" if (i + 1) % GLOBAL_EVERY == 0 else "sliding" for i in range(num_layers))
+def default_layer_types(num_layers: int, pattern: int = GLOBAL_EVERY) -> tuple[str, ...]:
+    """Every `pattern`-th layer global, the rest sliding (transformers' sliding_window_pattern)."""
+    return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))
 
 
 def gemma_fields(hidden: int, head_dim: int, query_pre_attn_scalar: float) -> dict[str, Any]:
@@ -80,24 +81,27 @@ def config_from_hf(c: Mapping[str, Any], where: str) -> ModelConfig:
             llama.raise_unsupported(where, f"{softcap}={c[softcap]}")
     if c.get("use_bidirectional_attention"):
         llama.raise_unsupported(where, "use_bidirectional_attention=true")
+    if c.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_new"):  # both tanh GELU
+        llama.raise_unsupported(where, f"hidden_activation={c.get('hidden_activation')!r}")
     params = c.get("rope_parameters") or {}
     if "full_attention" in params:  # transformers 5: one RoPE dict per layer kind
-        rope = RopeConfig.from_hf(params["full_attention"], 1_000_000.0)
-        local = RopeConfig.from_hf(params.get("sliding_attention"), LOCAL_ROPE_THETA)
+        rope = RopeConfig.from_hf(params["full_attention"], 1_000_000.0, where)
+        local = RopeConfig.from_hf(params.get("sliding_attention"), LOCAL_ROPE_THETA, where)
     else:  # transformers 4 files
-        rope = RopeConfig.from_hf(c.get("rope_scaling"), float(c.get("rope_theta", 1_000_000.0)))
-        local = RopeConfig(theta=float(c.get("rope_local_base_freq", LOCAL_ROPE_THETA)))
-    num_layers = int(require(c, "num_hidden_layers", where))
+        rope = RopeConfig.from_hf(c.get("rope_scaling"), float_field(c, "rope_theta", where, 1_000_000.0), where)
+        local = RopeConfig(theta=float_field(c, "rope_local_base_freq", where, LOCAL_ROPE_THETA))
+    num_layers = int_field(c, "num_hidden_layers", where)
     kinds = c.get("layer_types")
-    layer_types = (tuple("sliding" if k == "sliding_attention" else "full" for k in kinds)
-                   if kinds else default_layer_types(num_layers))
-    hidden = int(require(c, "hidden_size", where))
-    head_dim = int(c.get("head_dim") or 256)
+    layer_types = (hf_layer_kinds(kinds, where) if kinds is not None else
+                   default_layer_types(num_layers, int_field(c, "sliding_window_pattern", where, GLOBAL_EVERY)))
+    hidden = int_field(c, "hidden_size", where)
+    head_dim = int_field(c, "head_dim", where, 256)
     fields = llama.hf_common(
         {**c, "head_dim": head_dim}, where, "gemma3",
         rope=rope, local_rope=local, layer_types=layer_types,
-        sliding_window=int(c.get("sliding_window") or 4096),
-        **gemma_fields(hidden, head_dim, c.get("query_pre_attn_scalar", head_dim)),
+        sliding_window=int_field(c, "sliding_window", where, 4096),
+        # transformers' Gemma3TextConfig defaults query_pre_attn_scalar to 256 whatever head_dim is
+        **gemma_fields(hidden, head_dim, float_field(c, "query_pre_attn_scalar", where, 256.0)),
     )
     if fields["bos_token_id"] is None:
         fields["bos_token_id"] = 2

@@ -9,7 +9,7 @@ from litekv.errors import ConfigError
 
 from .base import ArchitectureSpec, register
 from .blocks import attention_block, gated_mlp
-from .config import ModelConfig, RopeConfig, as_id_tuple, require
+from .config import ModelConfig, RopeConfig, as_id_tuple, bool_field, float_field, int_field, require
 from .ops import Ops, Tensor
 
 HF_NAMES = {
@@ -71,36 +71,42 @@ def forward(ops: Ops, cfg: ModelConfig) -> Tensor:
 
 
 def hf_common(c: Mapping[str, Any], where: str, architecture: str, **overrides: Any) -> dict[str, Any]:
-    """Fields every Llama-like Hugging Face config shares."""
-    hidden = int(require(c, "hidden_size", where))
-    heads = int(require(c, "num_attention_heads", where))
+    """Fields every Llama-like Hugging Face config shares, each checked for its type."""
+    hidden = int_field(c, "hidden_size", where)
+    heads = int_field(c, "num_attention_heads", where)
+    max_position = int_field(c, "max_position_embeddings", where, 4096)
     rope_params = c.get("rope_parameters") or c.get("rope_scaling")
     fields: dict[str, Any] = dict(
         architecture=architecture,
-        vocab_size=int(require(c, "vocab_size", where)),
+        vocab_size=int_field(c, "vocab_size", where),
         hidden_size=hidden,
-        intermediate_size=int(require(c, "intermediate_size", where)),
-        num_layers=int(require(c, "num_hidden_layers", where)),
+        intermediate_size=int_field(c, "intermediate_size", where),
+        num_layers=int_field(c, "num_hidden_layers", where),
         num_heads=heads,
-        num_kv_heads=int(c.get("num_key_value_heads") or heads),
-        head_dim=int(c.get("head_dim") or hidden // heads),
-        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        rope=RopeConfig.from_hf(rope_params, float(c.get("rope_theta", 10000.0))),
-        max_position=int(c.get("max_position_embeddings", 4096)),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        attention_bias=bool(c.get("attention_bias", False)),
-        bos_token_id=c.get("bos_token_id"),
-        eos_token_ids=as_id_tuple(c.get("eos_token_id")),
+        num_kv_heads=int_field(c, "num_key_value_heads", where, heads),
+        head_dim=int_field(c, "head_dim", where, hidden // heads),
+        norm_eps=float_field(c, "rms_norm_eps", where, 1e-6),
+        rope=RopeConfig.from_hf(rope_params, float_field(c, "rope_theta", where, 10000.0), where, max_position),
+        max_position=max_position,
+        tie_embeddings=bool_field(c, "tie_word_embeddings", where, False),
+        attention_bias=bool_field(c, "attention_bias", where, False),
+        bos_token_id=int_field(c, "bos_token_id", where, None, minimum=0),
+        eos_token_ids=as_id_tuple(c.get("eos_token_id"), where),
     )
     fields.update(overrides)
     return fields
 
 
-def config_from_hf(c: Mapping[str, Any], where: str) -> ModelConfig:
+def check_silu_mlp(c: Mapping[str, Any], where: str) -> None:
+    """Refuse what litekv's SwiGLU block would otherwise ignore."""
     if c.get("mlp_bias"):
         raise_unsupported(where, "mlp_bias=true")
     if c.get("hidden_act", "silu") != "silu":
         raise_unsupported(where, f"hidden_act={c.get('hidden_act')!r}")
+
+
+def config_from_hf(c: Mapping[str, Any], where: str) -> ModelConfig:
+    check_silu_mlp(c, where)
     return ModelConfig(**hf_common(c, where, "llama"))
 
 

@@ -3,24 +3,33 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from litekv.errors import ConfigError
+
 from . import llama
 from .base import ArchitectureSpec, register
-from .config import ModelConfig
+from .config import ModelConfig, bool_field, hf_layer_kinds, int_field
 
 
-def hf_layer_types(c: Mapping[str, Any]) -> dict[str, Any]:
-    """Sliding-window layers as transformers lists them (only when the config enables them)."""
+def hf_layer_types(c: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Sliding-window layers as transformers' Qwen2Config sets them: none unless use_sliding_window is
+    true; then those layer_types lists, or without that list every layer from max_window_layers on."""
     kinds = c.get("layer_types")
-    if not kinds or not c.get("use_sliding_window", True) or "sliding_attention" not in kinds:
+    if not bool_field(c, "use_sliding_window", where, False):
+        if kinds is not None and "sliding" in hf_layer_kinds(kinds, where):
+            raise ConfigError(f"{where}: layer_types lists sliding_attention layers but use_sliding_window is not "
+                              "true, so transformers gives them no window; fix config.json.")
         return {}
-    return {
-        "layer_types": tuple("sliding" if k == "sliding_attention" else "full" for k in kinds),
-        "sliding_window": int(c["sliding_window"]),
-    }
+    window = int_field(c, "sliding_window", where, 4096)
+    if kinds is None:
+        first = int_field(c, "max_window_layers", where, 28, minimum=0)
+        kinds = ["sliding_attention" if i >= first else "full_attention"
+                 for i in range(int_field(c, "num_hidden_layers", where))]
+    return {"layer_types": hf_layer_kinds(kinds, where), "sliding_window": window}
 
 
 def config_from_hf(c: Mapping[str, Any], where: str) -> ModelConfig:
-    return ModelConfig(**llama.hf_common(c, where, "qwen2", attention_bias=True, **hf_layer_types(c)))
+    llama.check_silu_mlp(c, where)
+    return ModelConfig(**llama.hf_common(c, where, "qwen2", attention_bias=True, **hf_layer_types(c, where)))
 
 
 def config_from_gguf(meta: Mapping[str, Any], tensor_names: set[str], where: str) -> ModelConfig:

@@ -21,7 +21,8 @@ GGUF_NAMES = {
 
 
 def config_from_hf(c: Mapping[str, Any], where: str) -> ModelConfig:
-    return ModelConfig(**llama.hf_common(c, where, "qwen3", qk_norm=True, **hf_layer_types(c)))
+    llama.check_silu_mlp(c, where)
+    return ModelConfig(**llama.hf_common(c, where, "qwen3", qk_norm=True, **hf_layer_types(c, where)))
 
 
 def config_from_gguf(meta: Mapping[str, Any], tensor_names: set[str], where: str) -> ModelConfig:

@@ -27,7 +27,7 @@ from litekv.resident_pages import ModelFilePages, keep_large_allocations_mapped
 from litekv.sampling import step_seed
 from litekv.validation import is_int
 
-from .lora import LoraAdapter, LoraError, load_peft_adapter
+from .lora import LoraAdapter, LoraError, check_adapter, load_peft_adapter
 from .prefill_plan import Chunk, plan_prefill
 
 
@@ -335,7 +335,9 @@ class ExecutorBase(ABC):
         """Load a PEFT adapter directory (or a prepared adapter); returns its lora_id."""
         if self.lora_rank is None:
             raise LoraError("this model was converted without LoRA inputs; reconvert it with --lora-rank R.")
-        if not isinstance(adapter, LoraAdapter):
+        if isinstance(adapter, LoraAdapter):
+            check_adapter(adapter, self.config, self.lora_rank, self.lora_targets)
+        else:
             adapter = load_peft_adapter(adapter, self.config, self.lora_rank, self.lora_targets, name)
         prepared = self._prepare_adapter(adapter)
         with self._lock:

@@ -43,6 +43,32 @@ def projection_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
             "o": (cfg.hidden_size, q_out)}[target]
 
 
+def check_adapter(adapter: LoraAdapter, cfg: ModelConfig, model_rank: int, model_targets: tuple[str, ...]) -> None:
+    """LoraError unless a prepared adapter (one built in code, not read by load_peft_adapter) fits the
+    model: its factors on existing layers and the model's LoRA targets, shaped for its rank, finite."""
+    where = f"adapter {adapter.name!r}"
+    if not isinstance(adapter.name, str) or not is_int(adapter.rank) or not 0 < adapter.rank <= model_rank:
+        raise LoraError(f"{where}: name must be a str and rank an int in 1..{model_rank} (the model's LoRA rank), "
+                        f"got rank {adapter.rank!r}.")
+    if not isinstance(adapter.factors, dict):  # empty: every factor 0, a no-op adapter
+        raise LoraError(f"{where}: factors must be a dict mapping (layer, target) to (A, B).")
+    for key, pair in adapter.factors.items():
+        if not (isinstance(key, tuple) and len(key) == 2 and is_int(key[0]) and 0 <= key[0] < cfg.num_layers
+                and key[1] in model_targets):
+            raise LoraError(f"{where}: factor key {key!r} is not (layer in 0..{cfg.num_layers - 1}, one of "
+                            f"{', '.join(model_targets)}).")
+        out_dim, in_dim = projection_shape(cfg, key[1])
+        a, b = pair if isinstance(pair, tuple) and len(pair) == 2 else (None, None)
+        rank = a.shape[0] if isinstance(a, np.ndarray) and a.ndim == 2 else 0
+        expected = ((rank, in_dim), (out_dim, rank))
+        if not (0 < rank <= model_rank and all(isinstance(m, np.ndarray) and m.dtype == np.float32 and m.shape == shape
+                                               for m, shape in zip((a, b), expected))):
+            raise LoraError(f"{where}: layer {key[0]} {key[1]} needs float32 A [r, {in_dim}] and B [{out_dim}, r] "
+                            f"with r in 1..{model_rank} (alpha / r folded into B).")
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
+            raise LoraError(f"{where}: layer {key[0]} {key[1]} holds NaN or infinite values.")
+
+
 def load_peft_adapter(path: str | Path, cfg: ModelConfig, model_rank: int, model_targets: tuple[str, ...],
                       name: str | None = None) -> LoraAdapter:
     """Read and validate a PEFT adapter directory; nothing is kept from an adapter that fails."""
@@ -64,9 +90,14 @@ def load_peft_adapter(path: str | Path, cfg: ModelConfig, model_rank: int, model
         if a.shape != (rank, in_dim) or b.shape != (out_dim, rank):
             raise LoraError(f"{path}: layer {layer} {target} has A {a.shape} and B {b.shape}; expected "
                             f"A {(rank, in_dim)} and B {(out_dim, rank)} (rank {rank} from {config.path.name}).")
+        with np.errstate(over="ignore", invalid="ignore"):  # checked just below
+            scaled_b = b * np.float32(scale)
+        if not np.isfinite(scaled_b).all():
+            raise LoraError(f"{path}: layer {layer} {target}'s lora_B times its scale alpha / r = {scale:g} is not a "
+                            f"finite float32; lora_alpha in {config.path.name} is out of range.")
         padded_a = np.zeros((model_rank, in_dim), np.float32)
         padded_b = np.zeros((out_dim, model_rank), np.float32)
-        padded_a[:rank], padded_b[:, :rank] = a, b * np.float32(scale)
+        padded_a[:rank], padded_b[:, :rank] = a, scaled_b
         factors[(layer, target)] = (padded_a, padded_b)
         ranks.append(rank)
     if not factors:
@@ -101,10 +132,24 @@ def _first_match(patterns, module: str, default):
 
 
 def adapter_rank(path: str | Path) -> int:
-    """The highest rank the PEFT adapter at `path` gives any module (its config only; the reference
-    backend runs adapters at their own rank, unpadded)."""
-    config = _read_config(Path(path) / "adapter_config.json")
-    return max([config.r, *(rank for _, rank in config.rank_pattern)])
+    """The highest rank the PEFT adapter at `path` gives a module it holds factors for (the reference
+    backend runs adapters at their own rank, unpadded). Reads the config and the weights' header only."""
+    path = Path(path)
+    config = _read_config(path / "adapter_config.json")
+    weights_path = path / "adapter_model.safetensors"
+    if not weights_path.exists():
+        return config.r  # load_peft_adapter says what is missing
+    try:
+        names = SafetensorsFile(weights_path).names()
+    except CheckpointError as e:
+        raise LoraError(f"{e} Save the adapter again with PEFT (safe_serialization=True).") from e
+    # A rank_pattern entry that matches none of them pads nothing: it can name any rank.
+    return max((config.rank_and_scale(_module(key))[0] for key in names if _KEY.fullmatch(key)), default=config.r)
+
+
+def _module(key: str) -> str:
+    """The PEFT module name of a factor, as rank_pattern keys match it: "model.layers.0.self_attn.q_proj"."""
+    return key[:-len(".lora_A.weight")].removeprefix(_PEFT_PREFIX)
 
 
 def _read_config(config_path: Path) -> _PeftConfig:
@@ -175,8 +220,7 @@ def _read_factors(path: Path, weights_path: Path, cfg: ModelConfig, model_target
                                 f"inputs only on {', '.join(model_targets)}.")
             if layer >= cfg.num_layers:
                 raise LoraError(f"{path}: layer {layer} does not exist (the model has {cfg.num_layers}).")
-            module = key[:-len(".lora_A.weight")].removeprefix(_PEFT_PREFIX)
-            pair = found.setdefault((layer, target), (module, {}))[1]
+            pair = found.setdefault((layer, target), (_module(key), {}))[1]
             if which in pair:
                 raise LoraError(f"{weights_path}: layer {layer} {target} has more than one lora_{which} ({key}).")
             pair[which] = _factor(weights_path, key, tensors)
@@ -213,9 +257,9 @@ def group_factors(adapter: LoraAdapter | None, cfg: ModelConfig, layer: int, par
         factors = adapter.factors.get((layer, target)) if adapter else None
         if factors is None:
             continue
-        row = sum(outs[:parts.index(target)])
-        a[j * rank:(j + 1) * rank] = factors[0]
-        b[row:row + outs[parts.index(target)], j * rank:(j + 1) * rank] = factors[1]
+        row, own = sum(outs[:parts.index(target)]), factors[0].shape[0]  # own rank <= rank: zeros pad the rest
+        a[j * rank:j * rank + own] = factors[0]
+        b[row:row + outs[parts.index(target)], j * rank:j * rank + own] = factors[1]
     if layout == "in_out":
         return np.ascontiguousarray(a.T), np.ascontiguousarray(b.T)
     return a, b
