@@ -70,7 +70,10 @@ def build(fields: Sequence[Field], values: Mapping[str, Any], identifier: bytes)
 
 def parse(fields: Sequence[Field], data: bytes, identifier: bytes) -> dict[str, Any]:
     """Inverse of `build`; absent fields are None. Raises FlatTableError on malformed input."""
-    buf = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else data  # no copy
+    try:
+        buf = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else data  # no copy
+    except TypeError as e:  # not a buffer, or a strided one (a sliced array): no bytes in a row to read
+        raise FlatTableError(f"expected contiguous bytes, got {type(data).__name__} ({e})") from e
     if len(buf) < 8:
         raise FlatTableError("too short to be a flatbuffer")
     if bytes(buf[4:8]) != identifier:
@@ -86,7 +89,7 @@ def parse(fields: Sequence[Field], data: bytes, identifier: bytes) -> dict[str, 
     out: dict[str, Any] = {}
     for slot, (name, kind) in enumerate(fields):
         voffset = 4 + 2 * slot
-        field_off = table.Offset(voffset) if voffset < vt_size else 0
+        field_off = table.Offset(voffset) if voffset + 2 <= vt_size else 0  # an odd vt_size ends mid-entry
         if field_off == 0:
             out[name] = None
             continue

@@ -16,6 +16,7 @@ the kernels read them) that every copy, view and serialization carries along, in
 from __future__ import annotations
 
 import itertools
+import math
 import mmap
 import time
 import zlib
@@ -73,7 +74,7 @@ def aligned_zeros(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
     allocating a cache costs nothing up front and only the rows a sequence reaches become resident.
     (np.zeros reuses freed heap memory, which calloc must clear: 18 ms for a 188 MB cache here.)"""
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
+    nbytes = math.prod(map(int, shape)) * dtype.itemsize
     if nbytes >= MMAP_MIN_BYTES:
         return np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)  # page-aligned
     raw = np.zeros(nbytes + ALIGNMENT, np.uint8)
@@ -85,7 +86,7 @@ def on_huge_pages(num_layers: int, shape: tuple[int, ...], dtype, huge_pages: bo
     """Whether KVCache.allocate puts a cache of these K/V buffer shapes on huge pages when asked to:
     where the platform has them (Linux) and the cache fills at least one."""
     _check_sizes(num_layers=num_layers, shape=shape)
-    nbytes = 2 * num_layers * int(np.prod(shape)) * np.dtype(dtype).itemsize
+    nbytes = 2 * num_layers * math.prod(map(int, shape)) * np.dtype(dtype).itemsize
     return huge_pages and hasattr(mmap, "MADV_HUGEPAGE") and nbytes >= HUGE_PAGE_BYTES
 
 
@@ -98,6 +99,18 @@ def _check_sizes(**sizes: int | tuple[int, ...]) -> None:
                           f"got {given}.")
 
 
+def _cache_dtype(dtype) -> np.dtype:
+    """`dtype` as a numpy dtype of numbers, else ConfigError (numpy would raise a TypeError naming
+    neither the cache nor the argument, or make buffers of objects or strings)."""
+    try:
+        parsed = np.dtype(dtype)
+    except TypeError as e:
+        raise ConfigError(f"unknown KV cache dtype {dtype!r}; use 'float32', 'float16' or 'int8'.") from e
+    if parsed.kind not in "fiu":
+        raise ConfigError(f"a KV cache holds numbers, not {parsed}; use 'float32', 'float16' or 'int8'.")
+    return parsed
+
+
 def _page_aligned_zeros(shape: tuple[int, ...], count: int, dtype) -> list[np.ndarray]:
     """`count` zero arrays of this shape carved from one private anonymous map, each page-aligned, the
     map advised for transparent huge pages (2 MB): an int4 SmolLM2 step at 2,048 tokens spent 4.7 % less
@@ -105,7 +118,7 @@ def _page_aligned_zeros(shape: tuple[int, ...], count: int, dtype) -> list[np.nd
     at a time, so all of a cache's is at its first token, where 4 KB pages bring in only the rows a
     sequence reaches. Where the kernel has no huge pages the advice fails and 4 KB pages serve."""
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
+    nbytes = math.prod(map(int, shape)) * dtype.itemsize
     stride = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
     region = mmap.mmap(-1, count * stride + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE)  # shared maps get no THP
     raw = np.frombuffer(region, np.uint8)
@@ -191,6 +204,7 @@ class KVCache:
                      capacity=capacity)
         if min(num_layers, batch_size, num_kv_heads, head_dim, capacity) <= 0:
             raise ConfigError("KV cache dimensions and batch size must be positive.")
+        dtype = _cache_dtype(dtype)
         if row_scales and (np.dtype(dtype) != np.int8 or layout != "BSHD"):
             raise ConfigError(f"scales per row go with an int8 cache in BSHD layout, not {dtype} in {layout}.")
         if layout.endswith("_KB8") and (np.dtype(dtype) != np.int8 or capacity % KEY_BLOCK_SLOTS or head_dim % 2):
@@ -201,10 +215,17 @@ class KVCache:
         scales = (lambda: [_row_scale_buffer(batch_size, num_kv_heads, capacity) for _ in range(num_layers)]) \
             if row_scales else (lambda: None)
         huge = on_huge_pages(num_layers, shape, dtype, huge_pages)
-        buffers = (_page_aligned_zeros(shape, 2 * num_layers, dtype) if huge
-                   else [aligned_zeros(shape, dtype) for _ in range(2 * num_layers)])
+        try:
+            buffers = (_page_aligned_zeros(shape, 2 * num_layers, dtype) if huge
+                       else [aligned_zeros(shape, dtype) for _ in range(2 * num_layers)])
+            key_scales, value_scales = scales(), scales()
+        except (OSError, OverflowError, MemoryError, ValueError) as e:  # mmap's ENOMEM, sizes past ssize_t
+            nbytes = 2 * num_layers * math.prod(map(int, shape)) * dtype.itemsize
+            raise KVCacheError(f"cannot allocate a KV cache of {nbytes / 2**30:.4g} GiB ({num_layers} layers, batch "
+                               f"{batch_size}, {capacity} slots of {num_kv_heads} KV heads of {head_dim} {dtype}): "
+                               f"{e}. Use a smaller batch_size or max_context.") from e
         return cls(_Storage(buffers[:num_layers], buffers[num_layers:], layout, next(_ids),
-                            key_scales=scales(), value_scales=scales(), huge_pages=huge))
+                            key_scales=key_scales, value_scales=value_scales, huge_pages=huge))
 
     @classmethod
     def from_buffers(cls, keys: list[np.ndarray], values: list[np.ndarray], layout: str,
@@ -371,9 +392,9 @@ class KVCache:
     def set_num_tokens(self, n: int) -> None:
         """Executors commit processed tokens here; a smaller value rewinds (stale rows are ignored)."""
         self._check_valid()
-        if not 0 <= n <= self.num_entries:
-            raise KVCacheError(f"token count {n} is outside 0..{self.num_entries}.")
-        self._s.num_tokens = n
+        if not is_int(n) or not 0 <= n <= self.num_entries:  # 3.5 would be kept and break every later slice
+            raise KVCacheError(f"token count {n!r} must be a whole number in 0..{self.num_entries}.")
+        self._s.num_tokens = int(n)  # a numpy int would enter serialize's checksummed header as np.int64(n)
         self._s.last_access = time.time()
 
     def _valid_view(self, buf: np.ndarray, blocked: bool = False) -> np.ndarray:
@@ -442,11 +463,14 @@ class KVCache:
         Storage is contiguous per sequence, so the mapping is the identity; paging and prefix
         sharing build on this table without changing callers.
         """
+        self._check_valid()  # a released cache has no blocks
         return list(range(-(-self.num_tokens // BLOCK_SIZE)))
 
     # ---- copies -----------------------------------------------------------------------------------
     def _check_compatible(self, other: "KVCache") -> None:
         self._check_valid()
+        if not isinstance(other, KVCache):
+            raise KVCacheError(f"can copy only from another litekv KVCache, got {type(other).__name__}.")
         other._check_valid()
         mine = (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.row_scales)
         theirs = (other.num_layers, other.num_kv_heads, other.head_dim, other.dtype, other.row_scales)
@@ -544,9 +568,13 @@ class KVCache:
             fields = parse(SCHEMA, data, IDENTIFIER)
         except FlatTableError as e:
             raise KVCacheError(f"not a serialized litekv KV cache: {e}.") from e
-        if fields["version"] not in READABLE_FORMAT_VERSIONS:
-            raise KVCacheError(f"serialized KV cache has format version {fields['version']}; this litekv reads "
-                               f"versions {', '.join(map(str, READABLE_FORMAT_VERSIONS))}: upgrade litekv.")
+        version = fields["version"]
+        if version not in READABLE_FORMAT_VERSIONS:  # only a newer version asks for a newer litekv
+            newer = version is not None and version > FORMAT_VERSION
+            raise KVCacheError(f"serialized KV cache has format version {version}; this litekv reads versions "
+                               f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))}: "
+                               + ("upgrade litekv." if newer else "the data is damaged or was not written by "
+                                  "KVCache.serialize(); save the cache again with litekv."))
         header = {k: fields[k] for k, _ in SCHEMA if k not in _DATA}
         if None in header.values() or fields["keys"] is None or fields["values"] is None:
             raise KVCacheError("serialized KV cache is missing fields.")

@@ -4,6 +4,8 @@ Format: litekv/schema/session.fbs. Everything is validated before a `SessionStat
 """
 from __future__ import annotations
 
+import os
+import stat
 import zlib
 import struct
 import time
@@ -34,6 +36,11 @@ SCHEMA = (
 OPTIONAL = {"lora_name", "lora_fingerprint"}
 _CHECKSUM_SLOT = [name for name, _ in SCHEMA].index("checksum")
 _SAVE = "cannot save the session"
+
+
+class SessionWriteError(SessionFormatError, OSError):
+    """The session file could not be written (its path, permissions or free space); the file that was
+    there, if any, is unchanged. An OSError too, as write_session raised before it said which file."""
 
 
 @dataclass(frozen=True)
@@ -71,8 +78,12 @@ class SessionState:
 
 def encode_session(state: SessionState) -> bytes:
     """The session as bytes; refuses a state that `decode_session` would refuse."""
-    tokens = np.asarray(state.tokens, np.int64)
-    if tokens.size and not (0 <= tokens.min() and tokens.max() <= np.iinfo(np.int32).max):
+    _check_field_types(state)
+    try:
+        tokens = np.asarray(state.tokens, np.int64)
+    except OverflowError:  # an id past int64: outside the range below too
+        tokens = None
+    if tokens is None or tokens.size and not (0 <= tokens.min() and tokens.max() <= np.iinfo(np.int32).max):
         raise SessionFormatError(f"{_SAVE}: token ids must be in 0..2**31-1.")
     kv = np.frombuffer(state.kv_cache, np.uint8)
     _check_contents(state.fingerprint, tokens, kv, None, _SAVE)
@@ -104,6 +115,21 @@ def encode_session(state: SessionState) -> bytes:
     return bytes(buf)
 
 
+def _check_field_types(state: SessionState) -> None:
+    """SessionFormatError unless the strings are strings (None only where the format allows it) and the
+    sampler is a SamplerState: the size check and the builder would fail on them with a TypeError."""
+    strings = dict(fingerprint=state.fingerprint, backend=state.backend, lora_name=state.lora_name,
+                   lora_fingerprint=state.lora_fingerprint)
+    for name, value in strings.items():
+        if value is None and name not in OPTIONAL:
+            raise SessionFormatError(f"{_SAVE}: missing {name}.")
+        if value is not None and not isinstance(value, str):
+            raise SessionFormatError(f"{_SAVE}: {name} must be a str, got {type(value).__name__}.")
+    if not isinstance(state.sampler, SamplerState):
+        raise SessionFormatError(f"{_SAVE}: sampler must be a litekv.session_file.SamplerState, got "
+                                 f"{type(state.sampler).__name__}.")
+
+
 def decode_session(data: bytes, expected_fingerprint: str | None = None,
                    vocab_size: int | None = None) -> SessionState:
     """Validate and decode `encode_session` output; raises SessionFormatError on any problem.
@@ -118,21 +144,45 @@ def write_session(path: str | Path, state: SessionState) -> None:
     if not path.parent.is_dir():  # checked before a large cache is encoded for nothing
         raise SessionFormatError(f"{_SAVE} to '{path}': the directory '{path.parent}' does not exist; create it "
                                  "first or save elsewhere.")
-    write_atomic(path, encode_session(state))
+    data = encode_session(state)
+    try:
+        write_atomic(path, data)
+    except OSError as e:  # e.g. the path is a directory, or no space: name the file, not write_atomic's temp file
+        raise SessionWriteError(f"{_SAVE} to '{path}': {e.strerror or e}; the file there (if any) is unchanged. "
+                                "Save to another path, or check its permissions and the free space.") from e
 
 
 def read_session(path: str | Path, expected_fingerprint: str | None = None,
                  vocab_size: int | None = None) -> SessionState:
     """`decode_session` of a file's contents; errors name the file."""
     try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise SessionFormatError(f"cannot read session file '{path}': {e.strerror or e}.") from e
+        data = _read_regular_file(path)
+    except (OSError, TypeError) as e:  # TypeError: not a path (None, a number)
+        raise SessionFormatError(f"cannot read session file '{path}': {getattr(e, 'strerror', None) or e}.") from e
     return _decode(data, expected_fingerprint, vocab_size, f"session file '{path}'")
 
 
+def _read_regular_file(path: str | Path) -> bytes:
+    """The bytes of a regular file no larger than a session can be. A FIFO would block the open and
+    the read, and a device such as /dev/zero would be read until memory runs out."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO opens without a writer
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise SessionFormatError(f"cannot read session file '{path}': it is not a regular file (a device, "
+                                     "pipe or socket); give the path of a file saved with Session.save.")
+        if info.st_size > max_table_bytes():
+            raise SessionFormatError(f"session file '{path}' is larger than the {max_table_bytes() / 2**30:g} GiB a "
+                                     "litekv session can be: it is not one.")
+        return f.read(info.st_size + 1)  # bounded even if the file grows meanwhile (decoding then refuses it)
+
+
 def _decode(data: bytes, expected_fingerprint: str | None, vocab_size: int | None, where: str) -> SessionState:
-    buf = memoryview(data).cast("B")
+    try:
+        buf = memoryview(data).cast("B")
+    except TypeError as e:  # not bytes, or a strided buffer
+        raise SessionFormatError(f"{where}: expected the bytes encode_session returned (bytes, bytearray or a "
+                                 f"contiguous buffer), got {type(data).__name__}.") from e
     try:
         f = parse(SCHEMA, buf, IDENTIFIER)
     except (FlatTableError, struct.error) as e:  # struct.error: defence in depth against odd vtables
