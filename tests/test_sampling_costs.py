@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from litekv.bundle import SAMPLER_INPUTS
+from litekv.errors import BackendError
 from litekv.executor import SamplerParams
 from litekv.sampling import CANDIDATES, sample_token, seeded_uniform, top_order
 from litekv.tokenizer import StreamDecoder, Tokenizer
@@ -89,17 +90,47 @@ def test_top_order_on_many_random_tie_heavy_vocabularies():
 
 
 def test_sample_token_is_bit_identical_to_the_full_sort():
+    """For numbers; the old code drew arbitrary tokens where NaN or +inf reached the candidates
+    (test_non_finite_logits_are_drawn_by_their_limit)."""
     rng = np.random.default_rng(2)
     draws = 0
-    with np.errstate(invalid="ignore", over="ignore"):  # inf and NaN logits, as before
-        for _, logits in logit_cases(rng):
+    with np.errstate(invalid="ignore", over="ignore"):
+        for name, logits in logit_cases(rng):
+            if name in ("some NaN", "fewer numbers than candidates", "signed zeros and inf"):
+                continue
             for top_k in (0, 1, 7, CANDIDATES, 1000):
                 for top_p in (0.3, 0.95, 1.0):
                     seed = int(rng.integers(0, 2**31 - 2))
                     assert sample_token(logits, 0.8, top_k, top_p, seed) == old_sample_token(logits, 0.8, top_k,
                                                                                              top_p, seed)
                     draws += 1
-    assert draws == 8 * 8 * 5 * 3
+    assert draws == 8 * 5 * 5 * 3
+
+
+def test_non_finite_logits_are_drawn_by_their_limit():
+    rng = np.random.default_rng(4)
+    for size in (5, 64, 300, 49152):
+        base = (rng.standard_normal(size) * 4).astype(np.float32)
+        # +inf: those tokens share all the mass, and each is drawn
+        infinite = base.copy()
+        ids = rng.choice(size, min(3, size), replace=False)
+        infinite[ids] = np.inf
+        drawn = {sample_token(infinite, 0.8, 0, 1.0, seed) for seed in range(200)}
+        assert drawn == set(ids.tolist())
+        # NaN: never drawn; the rest drawn as if the NaN were -inf, seed for seed
+        nans, masked = base.copy(), base.copy()
+        holes = rng.choice(size, size - min(size, 4), replace=False)
+        nans[holes], masked[holes] = np.nan, -np.inf
+        for seed in range(50):
+            token = sample_token(nans, 1.0, 0, 0.9, seed)
+            assert np.isfinite(nans[token]) and token == sample_token(masked, 1.0, 0, 0.9, seed)
+        # finite logits over a temperature that overflows them: the greedy token
+        big = base.copy()
+        big[int(np.argmax(base))] += 1.0
+        assert sample_token(big * np.float32(1e30), 1e-38, 0, 1.0, 7) == int(np.argmax(big))
+        for hopeless in (np.full(size, np.nan, np.float32), np.full(size, -np.inf, np.float32)):
+            with pytest.raises(BackendError, match="no finite value"):
+                sample_token(hopeless, 1.0, 0, 1.0, 1)
 
 
 def test_top_k_zero_means_all_candidates():
