@@ -112,7 +112,8 @@ BAD_CONFIGS = [
     ({"r": 2, "alpha_pattern": {"v_proj": [1]}}, r"alpha_pattern\['v_proj'\] must be a finite number"),
     ({"r": 2, "alpha_pattern": {"q_proj(": 4}}, r"alpha_pattern key 'q_proj\(' is not a valid regular expression"),
     ({"r": 2, "peft_type": "ADALORA"}, "peft_type is 'ADALORA'"),
-    ({"r": 2, "use_rslora": True}, "rsLoRA"),
+    ({"r": 2, "use_dora": True}, "DoRA"),
+    ({"r": 2, "use_rslora": "yes"}, "use_rslora must be true or false"),
 ]
 
 

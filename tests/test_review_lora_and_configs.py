@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -78,6 +79,20 @@ SUPPORTED = {
     "q and v only": ({"r": RANK, "lora_alpha": 6, "target_modules": ["q_proj", "v_proj"]},
                      lambda k: "q_proj" in k or "v_proj" in k, "F32"),
 }
+
+
+def test_an_rslora_adapter_matches_the_merged_weights_at_alpha_over_the_root_of_its_rank(ex, ckpt, tmp_path):
+    """PEFT's use_rslora scales B A by alpha / sqrt(r), per module with rank_pattern."""
+    ranks = {"model.layers.1.self_attn.o_proj": 3}
+    tensors = factors(ckpt.config, seed=6, ranks=ranks)
+    config = {"r": RANK, "lora_alpha": 6, "use_rslora": True, "rank_pattern": {"layers.1.self_attn.o_proj": 3}}
+    lora_id = ex.load_lora(write_adapter(tmp_path / "a", config, tensors))
+    modules = [k.removeprefix("base_model.model.").removesuffix(".lora_A.weight") for k in tensors
+               if k.endswith("lora_A.weight")]
+    scales = {m: 6 / math.sqrt(ranks.get(m, RANK)) for m in modules}
+    assert relative_error(logits(ex, lora_id), logits(merged(ckpt, tensors, scales))) < 1e-5
+    plain = {m: 6 / ranks.get(m, RANK) for m in modules}  # what the adapter would give without rsLoRA
+    assert relative_error(logits(ex, lora_id), logits(merged(ckpt, tensors, plain))) > 1e-3
 
 
 @pytest.mark.parametrize("config, keep, dtype", SUPPORTED.values(), ids=SUPPORTED.keys())

@@ -119,10 +119,13 @@ class _PeftConfig:
     rank_pattern: tuple[tuple[re.Pattern, int], ...]
     alpha_pattern: tuple[tuple[re.Pattern, float], ...]
 
+    rslora: bool = False  # rank-stabilized LoRA: alpha / sqrt(rank), as PEFT's use_rslora
+
     def rank_and_scale(self, module: str) -> tuple[int, float]:
-        """(rank, alpha / rank) of a module such as "model.layers.0.self_attn.q_proj"."""
+        """(rank, alpha / rank, or alpha / sqrt(rank) for rsLoRA) of a module such as
+        "model.layers.0.self_attn.q_proj"."""
         rank = _first_match(self.rank_pattern, module, self.r)
-        return rank, _first_match(self.alpha_pattern, module, self.alpha) / rank
+        return rank, _first_match(self.alpha_pattern, module, self.alpha) / (math.sqrt(rank) if self.rslora else rank)
 
 
 def _first_match(patterns, module: str, default):
@@ -165,12 +168,17 @@ def _read_config(config_path: Path) -> _PeftConfig:
     peft_type = config.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise LoraError(f"{config_path}: peft_type is {peft_type!r}; litekv loads only LORA adapters.")
-    if config.get("use_dora") or config.get("use_rslora"):
-        raise LoraError(f"{config_path.parent}: DoRA and rsLoRA adapters are not supported.")
+    if config.get("use_dora"):
+        raise LoraError(f"{config_path.parent}: DoRA adapters are not supported; train a plain LoRA adapter "
+                        "(use_dora false).")
+    rslora = config.get("use_rslora", False)
+    if not isinstance(rslora, bool):
+        raise LoraError(f"{config_path}: use_rslora must be true or false, got {rslora!r}; fix the file or save the "
+                        "adapter again with PEFT.")
     return _PeftConfig(config_path, _rank(config_path, "r", config.get("r", _PEFT_DEFAULT_R)),
                        _alpha(config_path, "lora_alpha", config.get("lora_alpha", _PEFT_DEFAULT_ALPHA)),
                        _patterns(config_path, "rank_pattern", config.get("rank_pattern"), _rank),
-                       _patterns(config_path, "alpha_pattern", config.get("alpha_pattern"), _alpha))
+                       _patterns(config_path, "alpha_pattern", config.get("alpha_pattern"), _alpha), rslora)
 
 
 def _rank(config_path: Path, field: str, value: object) -> int:
