@@ -21,8 +21,9 @@ import numpy as np
 
 from litekv import bundle_swap
 from litekv.bundle import (ATTENTION_KINDS, BACKENDS, KV_CACHE_DTYPES, KV_CACHE_FORMATS, MANIFEST, SAMPLER_SIGNATURE,
-                           Manifest, SignatureInfo, write_atomic)
-from litekv.durable import directory_in_use, exclusive_lock, fsync_path, hold_directory, replace_durably
+                           Manifest, SignatureInfo)
+from litekv.atomic_file import fsync_path, write_atomic
+from litekv.durable import directory_in_use, exclusive_lock, hold_directory, replace_durably
 from litekv.errors import ConfigError, LitekvError
 from litekv.models.config import ModelConfig
 from litekv.validation import is_int

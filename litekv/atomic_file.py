@@ -27,15 +27,13 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _sync_directory(path.parent)
+    if hasattr(os, "O_DIRECTORY"):  # POSIX: the rename lives in the directory's entries; elsewhere the file
+        fsync_path(path.parent)     # system orders it
 
 
-def _sync_directory(directory: Path) -> None:
-    """Flush a directory's entries, so a rename into it survives a crash (POSIX; elsewhere the
-    file system orders it)."""
-    if not hasattr(os, "O_DIRECTORY"):
-        return
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file's data, or a directory's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

@@ -13,7 +13,6 @@ from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from litekv.atomic_file import write_atomic
 from litekv.errors import ConfigError, LitekvError
 from litekv.models.config import ACTIVATIONS, LAYER_KINDS, ModelConfig, RopeConfig
 from litekv.onnx_external_data import external_tensors

@@ -11,14 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-
-def fsync_path(path: str | os.PathLike) -> None:
-    """Flush a file's data, or a directory's entries, to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from litekv.atomic_file import fsync_path
 
 
 def replace_durably(source: Path, target: Path) -> None:

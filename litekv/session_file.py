@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from litekv import kv_cache
-from litekv.bundle import write_atomic
+from litekv.atomic_file import write_atomic
 from litekv.errors import SessionFormatError
 from litekv.flat_tables import TABLE_OVERHEAD, FlatTableError, build, max_table_bytes, parse
 

@@ -11,7 +11,7 @@ import pytest
 from conformance import checkpoint_dir, reference
 from fake_executor import ScriptedExecutor
 from litekv import kv_cache as kv_module
-from litekv.bundle import write_atomic
+from litekv.atomic_file import write_atomic
 from litekv.engine import Engine, SamplerConfig
 from litekv.errors import ConfigError, LitekvError, SessionFormatError
 from litekv.executor import SamplerParams
