@@ -103,12 +103,15 @@ def int8_case(heads, kv_heads, head_dim, slots, live, window=None):
 def test_int8_form_matches_numpy_on_the_codes(heads, kv_heads, head_dim, slots, live, window, threads, int8_dot):
     """The int8 form attends over the codes as they are (the graph folds the scales into the query
     and the output): the same result as float attention over the codes converted to float. The
-    integer path rounds the query to 14 bits and the softmax numerators to 15: within a twentieth
-    of one code, where rounding to codes moved every element by up to half of one."""
+    integer paths round the query and the softmax numerators to 15 bits: within a twelfth of one
+    code, where rounding to codes moved every element by up to half of one. (Scores here span
+    +-64 at head_dim 256, so the query's rounding alone moves a peaked head's output by up to 0.07;
+    the AVX-512 path's 14-bit query of before moved it by 0.05 where this moves it by 0.01, and
+    the other way round elsewhere: it is chance, not a bias.)"""
     q, k, v, m = int8_case(heads, kv_heads, head_dim, slots, live, window)
     got = native_attention.reference(q, k, v, m, kv_heads, head_dim, threads, int8_dot=int8_dot)
     expected = numpy_attention(q, k.astype(np.float64), v.astype(np.float64), m, kv_heads, head_dim)
-    np.testing.assert_allclose(got, expected, atol=0.05 if int8_dot else 2e-3, rtol=1e-4)
+    np.testing.assert_allclose(got, expected, atol=1 / 12 if int8_dot else 2e-3, rtol=1e-4)
 
 
 def quantize_rows(x, kv_heads, head_dim):

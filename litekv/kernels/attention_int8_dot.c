@@ -3,8 +3,8 @@
  * The portable path (decode_attention.c) widens every code to a float and ends each 16 dot
  * products in a shuffle tree, so it is bound by arithmetic, not by the cache bytes it reads. Here
  * the codes are multiplied as integers:
- * - Scores: the query (the key scales already folded in) is written in two int8 digits, q ~ (128 *
- *   hi + lo) / s, about 14 bits. A block of 16 key rows is transposed to 4-byte columns, so lane r
+ * - Scores: the query (the key scales already folded in) is written in two int8 digits, q ~ (256 *
+ *   hi + lo) / s, 15 bits and a sign as on the AVX2 path. A block of 16 key rows is transposed to 4-byte columns, so lane r
  *   of one vpdpbusd adds 4 dimensions of slot r times a broadcast word of digits: no tree. vpdpbusd
  *   wants unsigned codes, so the keys go in as k + 128 and 128 * sum(digits) comes off the sum.
  * - Weighted values: the softmax numerators are int16 (p * 32767), and two slots' value rows are
@@ -27,7 +27,7 @@
  * ahead than PREFETCH_ROWS for the same lead in time (in the model: 32 rows 69 us per call, 48 rows
  * 64, 64 rows 62, 96 rows 60; fifth round of bench/PERFORMANCE.md). */
 #define VALUE_PREFETCH_ROWS 64
-#define SCORE_DIGIT 16256.0f /* 127 * 128: the largest |query| as a two-digit number */
+#define SCORE_DIGIT 32639.0f /* 127 * 256 + 127: the largest |query| as two signed digits */
 #define NUMERATOR_ONE 32767.0f
 
 int litekv_cpu_has_int8_dot(void) {
@@ -71,12 +71,13 @@ TARGET static float query_digits(const float *q, int d, int8_t *hi, int8_t *lo, 
     const float s = top > 0.0f ? SCORE_DIGIT / top : 0.0f;
     int32_t sum_hi = 0, sum_lo = 0;
     for (int j = 0; j < d; j++) {
-        const float x = q[j] * s, h = __builtin_roundf(x / 128.0f);
+        /* lo in -128..127 takes the low byte whole, so hi is rounded down from x + 128 */
+        const float x = __builtin_roundf(q[j] * s), h = __builtin_floorf((x + 128.0f) / 256.0f);
         hi[j] = (int8_t)h;
-        lo[j] = (int8_t)__builtin_roundf(x - 128.0f * h);
+        lo[j] = (int8_t)(x - 256.0f * h);
         sum_hi += hi[j], sum_lo += lo[j];
     }
-    *offset = 128 * (128 * sum_hi + sum_lo);
+    *offset = 128 * (256 * sum_hi + sum_lo);
     return top > 0.0f ? 1.0f / s : 0.0f;
 }
 
@@ -122,7 +123,9 @@ TARGET static inline __attribute__((always_inline)) void score_block(const Job *
                 b[j % 2] = _mm512_dpbusd_epi32(b[j % 2], col[c][j], _mm512_set1_epi32(word(lo + 64 * c + 4 * j)));
             }
         const __m512i high = _mm512_add_epi32(a[0], a[1]), low = _mm512_add_epi32(b[0], b[1]);
-        const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(high, 7), low),
+        /* 256 * high may wrap an int32 at head_dim 256; the dot product itself (|x| <= 32639, |k| <= 127)
+         * fits, and these adds wrap alike, so it comes out exact */
+        const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(high, 8), low),
                                                _mm512_set1_epi32(q->offset[h]));
         const __m512 score = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), row_scale),
                                              _mm512_set1_ps(q->unit[h]), _mm512_maskz_loadu_ps(stored, job->mask + s0));
