@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
 import threading
 from dataclasses import astuple, dataclass
 
 import numpy as np
 
-from litekv.errors import MissingDependency
+from litekv.errors import ConfigError, MissingDependency
 from litekv.kv_cache import KEY_BLOCK_SLOTS as KEY_BLOCK  # noqa: F401 (with the helpers: the kernels' layout)
 from litekv.kv_cache import block_keys, unblock_keys  # noqa: F401
 
@@ -64,6 +65,23 @@ ROPE_ATTENTION_OP_NAMES = {"litekv.decode_attention_rope": 0, "litekv.decode_att
                            "litekv.decode_attention_rope_f16": 2}
 OP_VERSION = 1
 _MODULE = "litekv._decode_attention"
+# Caps the instruction sets the kernels use (kernels/cpu_isa.c reads it once, as the library loads), as
+# oneDNN's ONEDNN_MAX_CPU_ISA: "avx512" (or unset) what the CPU has, "avx2" as on a CPU without
+# AVX-512, "baseline" the portable code only. For tests and comparisons of the paths on one machine.
+MAX_ISA_ENV = "LITEKV_MAX_ISA"
+MAX_ISA_VALUES = ("avx512", "avx2", "baseline")
+
+
+def max_isa() -> str:
+    """The cap LITEKV_MAX_ISA puts on the kernels' instruction sets: one of MAX_ISA_VALUES ("avx512",
+    no cap, when unset or empty). Raises ConfigError for any other value."""
+    value = os.environ.get(MAX_ISA_ENV, "").strip().lower()
+    if not value:
+        return "avx512"
+    if value not in MAX_ISA_VALUES:
+        raise ConfigError(f"{MAX_ISA_ENV}={os.environ[MAX_ISA_ENV]!r} is not an instruction set cap; use one of "
+                          f"{', '.join(MAX_ISA_VALUES)} (or leave it unset).")
+    return value
 
 
 def linear_op_name(weights: str) -> str:
@@ -110,6 +128,7 @@ def _load() -> ctypes.CDLL:
     global _library, _library_path, _load_error
     with _lock:
         if _library is None and _load_error is None:
+            max_isa()  # the library reads LITEKV_MAX_ISA as it loads, and ignores a value it does not know
             spec = importlib.util.find_spec(_MODULE)
             if spec is None or spec.origin is None:
                 _load_error = ("litekv's decode-attention kernel is not built in this installation (it needs a C "
@@ -276,7 +295,9 @@ def cpu_paths() -> dict[str, str]:
     """Which code each kernel family runs on this CPU: "avx512-vnni", "avx2", "portable" or, for
     attention, "vector" (GCC vector extensions compiled per ISA: AVX-512 where the CPU has it;
     decode attention's "avx512-vnni" is that too, with int8 caches multiplied as integers).
-    Speed differs by several times between them, so benchmarks and bug reports should name them."""
+    Speed differs by several times between them, so benchmarks and bug reports should name them.
+    LITEKV_MAX_ISA (`max_isa`) caps them: "avx2" as on a CPU without AVX-512, "baseline" the
+    portable linears and the attention's "vector" code."""
     lib = _load()
     if lib.litekv_attention_int8_dot() == 2:
         decode = "avx512-vnni"

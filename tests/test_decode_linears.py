@@ -17,7 +17,7 @@ from litekv.converters.convert import ConvertOptions, convert
 from litekv.converters.quantize import int4_blockwise_asymmetric, int8_per_channel
 from litekv.errors import ConfigError
 from litekv.executor import open_executor
-from litekv.native_attention import LINEAR_OP_NAMES, ROPE_OP_NAME, AttentionKernel
+from litekv.native_attention import LINEAR_OP_NAMES, ROPE_OP_NAME, AttentionKernel, max_isa
 from litekv.native_attention import available as kernel_available
 from model_factory import ARCHITECTURES
 
@@ -67,11 +67,18 @@ def test_linears_match_numpy(vector, out_dim, in_dim):
 
 
 def _cpu_flags() -> set[str]:
+    """The CPU's flags as the kernels see them: LITEKV_MAX_ISA takes AVX-512's ("avx2") or AVX2's too
+    ("baseline") away."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return set()
-    return set(next((line.split(":", 1)[1] for line in lines if line.startswith("flags")), "").split())
+    flags = set(next((line.split(":", 1)[1] for line in lines if line.startswith("flags")), "").split())
+    if max_isa() != "avx512":
+        flags = {flag for flag in flags if not flag.startswith("avx512")}
+    if max_isa() == "baseline":
+        flags -= {"avx2", "fma", "f16c"}
+    return flags
 
 
 # The linears' integer paths (kernels/linear.c with AVX-512 VNNI, linear_avx2.c with AVX2, FMA and F16C)

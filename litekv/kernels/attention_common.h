@@ -6,6 +6,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_isa.h"
+
 #define MASKED_BELOW (-1e30f)
 /* Helpers are inlined into the ISA-specific functions, so each gets its own vector code. */
 #define INLINE static inline __attribute__((always_inline))
@@ -110,7 +112,7 @@ __attribute__((target("avx512f"))) static void widen_halves_avx512(float *restri
 #endif
 INLINE void widen_halves(float *restrict out, const uint16_t *restrict in, size_t count) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (__builtin_cpu_supports("avx512f")) {
+    if (cpu_has(CPU_AVX512F)) {
         widen_halves_avx512(out, in, count);
         return;
     }

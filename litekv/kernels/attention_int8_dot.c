@@ -31,9 +31,7 @@
 #define NUMERATOR_ONE 32767.0f
 
 int litekv_cpu_has_int8_dot(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vnni");
+    return cpu_has(CPU_AVX512F | CPU_AVX512BW | CPU_AVX512VNNI);
 }
 
 /* In place: r[j] lane i becomes r[i] lane j (16 x 16 int32). */

@@ -6,14 +6,14 @@
 
 #include <immintrin.h>
 
+#include "cpu_isa.h"
+
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 #define AVX2_HELPER static inline __attribute__((always_inline)) AVX2_TARGET
 
-/* Whether this CPU has AVX2, FMA and F16C (each path adds its own condition on AVX-512). */
-static inline int cpu_has_avx2_fma_f16c(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
+/* Whether this CPU has AVX2, FMA and F16C, under LITEKV_MAX_ISA (each path adds its own condition on
+ * AVX-512). */
+static inline int cpu_has_avx2_fma_f16c(void) { return cpu_has(CPU_AVX2 | CPU_FMA | CPU_F16C); }
 
 /* The sum and the largest of v's 8 lanes. */
 AVX2_HELPER float horizontal_sum(__m256 v) {

@@ -66,7 +66,7 @@ static atomic_int cpu_has_avx2 = -1, avx2_allowed = 1;
 int litekv_decode_avx2(void) {
     int has = atomic_load_explicit(&cpu_has_avx2, memory_order_relaxed);
     if (has < 0) { /* once: every part asks */
-        has = cpu_has_avx2_fma_f16c() && !__builtin_cpu_supports("avx512f");
+        has = cpu_has_avx2_fma_f16c() && !cpu_has(CPU_AVX512F);
         atomic_store_explicit(&cpu_has_avx2, has, memory_order_relaxed);
     }
     return has && atomic_load_explicit(&avx2_allowed, memory_order_relaxed);

@@ -75,9 +75,7 @@ INLINE void tile_rows(const Int4Offsets *job, const float *weights, int o0, int 
 static int avx2_tiles(void) {
     static int state; /* 0: not yet known; 1: AVX2 tiles; 2: the vector-extension ones */
     if (!__atomic_load_n(&state, __ATOMIC_RELAXED)) {
-        __builtin_cpu_init();
-        const int avx2 = !__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
-                         __builtin_cpu_supports("fma");
+        const int avx2 = !cpu_has(CPU_AVX512F) && cpu_has(CPU_AVX2 | CPU_FMA);
         __atomic_store_n(&state, avx2 ? 1 : 2, __ATOMIC_RELAXED);
     }
     return __atomic_load_n(&state, __ATOMIC_RELAXED) == 1;

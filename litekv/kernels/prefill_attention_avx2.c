@@ -36,7 +36,7 @@
 static int avx2_state;
 
 static int cpu_wants_avx2(void) {
-    return !__builtin_cpu_supports("avx512f") && cpu_has_avx2_fma_f16c();
+    return !cpu_has(CPU_AVX512F) && cpu_has_avx2_fma_f16c();
 }
 
 /* Turns the AVX2 path on (1, only where the CPU wants it) or off (0), or leaves it (-1); returns
