@@ -157,6 +157,9 @@ REFUSED = {
         k: np.zeros((8, v.shape[1]) if "lora_A" in k else (v.shape[0], 8), np.float32) for k, v in t.items()},
         "adapter rank 8 is higher than the model's LoRA rank 4"),
     "DoRA": ({"use_dora": True}, lambda t, c: t, "DoRA"),
+    "vision tower": ({}, lambda t, c: {**t, f"base_model.model.model.vision_tower.vision_model.encoder.layers.0"
+                                           f".self_attn.q_proj.lora_A.weight": t[f"{Q}.lora_A.weight"]},
+                     "adapts the model's vision_(tower|model), which litekv does not run"),
     "inf factor": ({}, lambda t, c: {**t, f"{Q}.lora_B.weight": np.full_like(t[f"{Q}.lora_B.weight"], np.inf)},
                    "NaN or infinite"),
 }

@@ -22,6 +22,10 @@ from litekv.validation import is_int
 # PEFT module names -> our canonical projection names.
 _MODULES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o"}
 _KEY = re.compile(r".*layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.lora_([AB])\.weight")
+# Module-path components of the parts of a multimodal model that litekv does not convert: their encoders'
+# layers.N.self_attn.*_proj keys would otherwise read as the language model's.
+_NOT_TEXT = frozenset({"vision_tower", "vision_model", "visual", "vision_encoder", "multi_modal_projector",
+                       "audio_tower", "audio_model", "embed_vision", "embed_audio"})
 
 
 class LoraError(LitekvError):
@@ -218,6 +222,11 @@ def _read_factors(path: Path, weights_path: Path, cfg: ModelConfig, model_target
         tensors = SafetensorsFile(weights_path)
         found: dict[tuple[int, str], tuple[str, dict[str, np.ndarray]]] = {}
         for key in tensors.names():
+            other = sorted(_NOT_TEXT.intersection(key.split(".")))
+            if other:
+                raise LoraError(f"{weights_path}: tensor {key} adapts the model's {other[0]}, which litekv does not "
+                                "run: it converts the language model only. Train or save the adapter with PEFT "
+                                "target_modules limited to the language model's q/k/v/o projections.")
             m = _KEY.fullmatch(key)
             if not m:
                 raise LoraError(f"{weights_path}: tensor {key} is not a LoRA factor of q/k/v/o projections; "
