@@ -46,7 +46,7 @@ def brute_force_cost(num_tokens: int, start: int, lengths, capacity: int) -> int
     return best[num_tokens]
 
 
-@pytest.mark.parametrize("lengths", [(32, 128, 512), (4, 8), (3, 7, 20), (16,)])
+@pytest.mark.parametrize("lengths", [(32, 128, 512), (4, 8), (3, 7, 20), (16,), (384, 512), (96, 128, 160)])
 def test_plans_cost_no_more_than_any_other_plan(lengths):
     rng = np.random.default_rng(sum(lengths))
     for num_tokens, start in zip(rng.integers(1, 1200, 40), rng.integers(0, 300, 40)):

@@ -38,16 +38,19 @@ def plan_prefill(num_tokens: int, start: int, lengths: Sequence[int], capacity: 
     largest = sizes[0]
     chunks: list[Chunk] = []
     pos, left = start, num_tokens
-    # Whole chunks of the largest length cost the least per token; the search below covers the rest.
-    while left >= 2 * largest and pos + largest <= capacity:
+    # Whole chunks of the largest length cost the least per token, and where every length divides the
+    # largest, any plan's chunks regroup into them: the search below covers the rest. Where one does
+    # not (384 and 512: 1,152 tokens are three 384s, not 512 + 384 + a padded 384), it covers it all.
+    divides = all(largest % size == 0 for size in sizes)
+    while divides and left >= 2 * largest and pos + largest <= capacity:
         chunks.append(Chunk(pos, largest, largest))
         pos, left = pos + largest, left - largest
     return chunks + _cheapest_tail(left, pos, sizes, capacity, call_cost)
 
 
 def _cheapest_tail(left: int, pos: int, sizes: tuple[int, ...], capacity: int, call_cost: int) -> list[Chunk]:
-    """The cheapest plan for the last `left` tokens (fewer than twice the largest length), found
-    backwards: cost[done] and calls[done] of covering tokens done..left, whose first call is
+    """The cheapest plan for the last `left` tokens, found backwards: cost[done] and calls[done] of
+    covering tokens done..left, whose first call is
     choice[done] tokens long. Sizes go largest first, so of equal plans the larger chunk leads."""
     cost, calls, choice = [0] * (left + 1), [0] * (left + 1), [0] * (left + 1)
     exact = set(sizes)
