@@ -50,8 +50,8 @@ def plan_prefill(num_tokens: int, start: int, lengths: Sequence[int], capacity: 
 
 def _cheapest_tail(left: int, pos: int, sizes: tuple[int, ...], capacity: int, call_cost: int) -> list[Chunk]:
     """The cheapest plan for the last `left` tokens, found backwards: cost[done] and calls[done] of
-    covering tokens done..left, whose first call is
-    choice[done] tokens long. Sizes go largest first, so of equal plans the larger chunk leads."""
+    covering tokens done..left, whose first call is choice[done] tokens long. Sizes go largest first,
+    so of equal plans the larger chunk leads."""
     cost, calls, choice = [0] * (left + 1), [0] * (left + 1), [0] * (left + 1)
     exact = set(sizes)
     for done in range(left - 1, -1, -1):

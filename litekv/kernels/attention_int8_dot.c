@@ -4,9 +4,10 @@
  * products in a shuffle tree, so it is bound by arithmetic, not by the cache bytes it reads. Here
  * the codes are multiplied as integers:
  * - Scores: the query (the key scales already folded in) is written in two int8 digits, q ~ (256 *
- *   hi + lo) / s, 15 bits and a sign as on the AVX2 path. A block of 16 key rows is transposed to 4-byte columns, so lane r
- *   of one vpdpbusd adds 4 dimensions of slot r times a broadcast word of digits: no tree. vpdpbusd
- *   wants unsigned codes, so the keys go in as k + 128 and 128 * sum(digits) comes off the sum.
+ *   hi + lo) / s, 15 bits and a sign as on the AVX2 path. A block of 16 key rows is transposed to
+ *   4-byte columns, so lane r of one vpdpbusd adds 4 dimensions of slot r times a broadcast word of
+ *   digits: no tree. vpdpbusd wants unsigned codes, so the keys go in as k + 128 and 128 * (256 *
+ *   sum(hi) + sum(lo)) comes off the sum.
  * - Weighted values: the softmax numerators are int16 (p * 32767), and two slots' value rows are
  *   interleaved as int16 pairs, so one vpdpwssd adds both slots' share to 16 dimensions. The int32
  *   sums are added into the float accumulator every FLUSH_PAIRS pairs, before they can overflow.
@@ -121,8 +122,7 @@ TARGET static inline __attribute__((always_inline)) void score_block(const Job *
                 b[j % 2] = _mm512_dpbusd_epi32(b[j % 2], col[c][j], _mm512_set1_epi32(word(lo + 64 * c + 4 * j)));
             }
         const __m512i high = _mm512_add_epi32(a[0], a[1]), low = _mm512_add_epi32(b[0], b[1]);
-        /* 256 * high may wrap an int32 at head_dim 256; the dot product itself (|x| <= 32639, |k| <= 127)
-         * fits, and these adds wrap alike, so it comes out exact */
+        /* |256 * high + low| <= 256 * 127 * 255 * 256 + 128 * 255 * 256 < 2^31 up to head_dim 256 */
         const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(high, 8), low),
                                                _mm512_set1_epi32(q->offset[h]));
         const __m512 score = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), row_scale),
