@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cpu_flags import cpu_flags
 from litekv import native_attention
 
 pytestmark = pytest.mark.skipif(not native_attention.available(),
@@ -656,19 +657,6 @@ def test_avx2_path_reads_a_head_major_cache(cache, head_dim, lo, hi, threads):
     m = np.full(slots, MASKED, np.float32)
     m[lo:hi + 1] = 0.0
     within_float_rounding(got, numpy_attention(q, keys, values, m, kv_heads, head_dim), cache)
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's flags as the kernels see them: LITEKV_MAX_ISA takes AVX-512's ("avx2") or AVX2's too
-    ("baseline") away."""
-    text = Path("/proc/cpuinfo").read_text()
-    flags = set(next(line for line in text.splitlines() if line.startswith("flags")).split(":", 1)[1].split())
-    cap = native_attention.max_isa()
-    if cap != "avx512":
-        flags = {flag for flag in flags if not flag.startswith("avx512")}
-    if cap == "baseline":
-        flags -= {"avx2", "fma", "f16c"}
-    return flags
 
 
 @pytest.mark.skipif(not Path("/proc/cpuinfo").exists() or os.uname().machine != "x86_64",

@@ -12,12 +12,13 @@ import pytest
 from ai_edge_litert import schema_py_generated as schema
 
 from conformance import _ROOT, PREFILL_LENGTHS, checkpoint_dir, relative_error
+from cpu_flags import cpu_flags
 from litekv.bundle import BundleError, Manifest, read_manifest
 from litekv.converters.convert import ConvertOptions, convert
 from litekv.converters.quantize import int4_blockwise_asymmetric, int8_per_channel
 from litekv.errors import ConfigError
 from litekv.executor import open_executor
-from litekv.native_attention import LINEAR_OP_NAMES, ROPE_OP_NAME, AttentionKernel, max_isa
+from litekv.native_attention import LINEAR_OP_NAMES, ROPE_OP_NAME, AttentionKernel
 from litekv.native_attention import available as kernel_available
 from model_factory import ARCHITECTURES
 
@@ -66,23 +67,8 @@ def test_linears_match_numpy(vector, out_dim, in_dim):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3 * np.abs(want).max())
 
 
-def _cpu_flags() -> set[str]:
-    """The CPU's flags as the kernels see them: LITEKV_MAX_ISA takes AVX-512's ("avx2") or AVX2's too
-    ("baseline") away."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return set()
-    flags = set(next((line.split(":", 1)[1] for line in lines if line.startswith("flags")), "").split())
-    if max_isa() != "avx512":
-        flags = {flag for flag in flags if not flag.startswith("avx512")}
-    if max_isa() == "baseline":
-        flags -= {"avx2", "fma", "f16c"}
-    return flags
-
-
 # The linears' integer paths (kernels/linear.c with AVX-512 VNNI, linear_avx2.c with AVX2, FMA and F16C)
-_FLAGS = _cpu_flags()
+_FLAGS = cpu_flags()
 INTEGER_LINEARS = {"avx2", "fma", "f16c"} <= _FLAGS or {"avx512f", "avx512bw", "avx512_vnni"} <= _FLAGS
 
 

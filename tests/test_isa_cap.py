@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from cpu_flags import cpu_flags
 from litekv import native_attention
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,16 +23,7 @@ AVX2_TEST_FILES = ("tests/test_decode_attention_kernel.py", "tests/test_key_bloc
                    "tests/test_decode_linears.py", "tests/test_onnx_linears.py")
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's own flags (no cap), empty where /proc/cpuinfo does not give x86-64 ones."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return set()
-    return set(next((line.split(":", 1)[1] for line in lines if line.startswith("flags")), "").split())
-
-
-FLAGS = cpu_flags()
+FLAGS = cpu_flags(capped=False)  # the CPU's own
 kernels = pytest.mark.skipif(not native_attention.available(), reason="the cap is on litekv's kernels")
 avx512 = pytest.mark.skipif("avx512f" not in FLAGS, reason="no AVX-512 on this CPU: the kernel tests take its AVX2 "
                             "paths natively there (where it has AVX2), without LITEKV_MAX_ISA")
