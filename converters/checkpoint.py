@@ -352,8 +352,13 @@ class _GGUFLayout:
         self.fits(tensor_count, 24, "the tensor list")
         infos = [self.tensor_info() for _ in range(tensor_count)]
         data_start = -(-self.offset // alignment) * alignment
-        for name, dims, qtype, offset in infos:
-            self.check_tensor(name, dims, qtype, data_start + offset)
+        spans = sorted(self.check_tensor(name, dims, qtype, data_start + offset) for name, dims, qtype, offset in infos)
+        # Writers lay tensors end to end; shared bytes mean a crafted or damaged file, whose weights
+        # would silently alias each other.
+        for (start, end, name), (next_start, _, next_name) in zip(spans, spans[1:]):
+            if next_start < end:
+                raise CheckpointError(f"{self.path}: the data of tensors {name} and {next_name} overlap (bytes "
+                                      f"{next_start}-{end}); the file is damaged: download it again.")
 
     def take(self, size: int, what: str) -> int:
         start = self.offset
@@ -405,7 +410,8 @@ class _GGUFLayout:
         dims = [self.uint(8, what) for _ in range(n_dims)]
         return name, dims, self.uint(4, what), self.uint(8, what)
 
-    def check_tensor(self, name: str, dims: list[int], qtype: int, start: int) -> None:
+    def check_tensor(self, name: str, dims: list[int], qtype: int, start: int) -> tuple[int, int, str]:
+        """The tensor's data range, checked against its type's blocks and the file's end."""
         if qtype not in self.tensor_types:
             raise UnsupportedTensorType(f"{self.path}: tensor {name} has GGUF type id {qtype}, which the gguf "
                                         "package does not know; the file is damaged or needs a newer gguf.")
@@ -418,3 +424,4 @@ class _GGUFLayout:
         if end > len(self.data):
             raise CheckpointError(f"{self.path}: tensor {name}'s data ends at byte {end}, past the end of the file "
                                   f"({len(self.data)} bytes); the file is truncated: download it again.")
+        return start, end, name

@@ -251,12 +251,31 @@ def test_a_gguf_tensor_offset_past_the_end_of_the_file_is_refused(llama_dir):
 
     path = make_gguf(llama_dir, llama_dir / "m.gguf")
     norm = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.attn_norm.weight")
-    offset_at = norm.field.offset + 8 + len(norm.name) + 4 + 8 * len(norm.shape) + 4
     data = bytearray(path.read_bytes())
-    struct.pack_into("<Q", data, offset_at, 2**40)
+    struct.pack_into("<Q", data, gguf_offset_at(norm), 2**40)
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=f"{path}: tensor blk.0.attn_norm.weight's data ends at byte "
                                               r"\d+, past the end of the file"):
+        load_checkpoint(path, with_tokenizer=False)
+
+
+def gguf_offset_at(tensor) -> int:
+    """Where a tensor's data offset (relative to the data section) sits in its GGUF file."""
+    return tensor.field.offset + 8 + len(tensor.name) + 4 + 8 * len(tensor.shape) + 4
+
+
+def test_gguf_tensors_whose_data_overlap_are_refused(llama_dir):
+    import gguf
+
+    path = make_gguf(llama_dir, llama_dir / "m.gguf")
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    attn, ffn = tensors["blk.0.attn_norm.weight"], tensors["blk.0.ffn_norm.weight"]
+    data = bytearray(path.read_bytes())
+    (ffn_offset,) = struct.unpack_from("<Q", data, gguf_offset_at(ffn))
+    struct.pack_into("<Q", data, gguf_offset_at(attn), ffn_offset + 4)  # inside the other norm's bytes
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{path}: the data of tensors blk.0.ffn_norm.weight and "
+                                              r"blk.0.attn_norm.weight overlap .*damaged"):
         load_checkpoint(path, with_tokenizer=False)
 
 
