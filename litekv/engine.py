@@ -21,7 +21,7 @@ import numpy as np
 from litekv.errors import Cancelled, ChatTemplateError, ConfigError, ContextFull, SessionFormatError
 from litekv.executor import LoraAdapter, LoraError, LoraInUse, SamplerParams, load_peft_adapter
 from litekv.executor.lora import adapter_rank
-from litekv.kv_cache import KVCache, KVCacheError
+from litekv.kv_cache import KVCache, KVCacheError, KVCacheMismatch
 from litekv.sampling import sample_token
 from litekv.tokenizer import Tokenizer
 from litekv.validation import is_int
@@ -218,9 +218,11 @@ class Engine:
         session = Session(self, sampler, state.lora_name)
         try:
             session.kv_cache.load(state.kv_cache)
-        except KVCacheError as e:
+        except KVCacheMismatch as e:
             raise SessionFormatError(f"{path}: its KV cache does not fit this bundle's: {e} Load it with a bundle of "
                                      "the same model converted with the same KV cache options.") from e
+        except KVCacheError as e:  # damaged: another bundle would not help
+            raise SessionFormatError(f"{path}: its KV cache cannot be loaded: {e}") from e
         session._tokens = list(state.tokens)
         if session._tokens and session.kv_cache.num_tokens == len(session._tokens):
             # The file may hold the last token in the cache too; a session keeps it pending (fed by the

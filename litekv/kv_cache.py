@@ -67,6 +67,10 @@ class KVCacheError(LitekvError):
     """A KV cache operation got an incompatible cache or a damaged serialized cache."""
 
 
+class KVCacheMismatch(KVCacheError):
+    """A serialized cache that is sound but of another shape or format than the cache loading it."""
+
+
 def aligned_zeros(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
     """Zeros whose data pointer is ALIGNMENT-byte aligned.
 
@@ -595,10 +599,10 @@ class KVCache:
         if mismatched:
             hint = (" The bundles' KV cache formats differ: load it into one converted with the same --kv-cache."
                     if "dtype" in mismatched or "row_scales" in mismatched else "")
-            raise KVCacheError(f"serialized KV cache does not fit this cache (saved, here): {mismatched}.{hint}")
+            raise KVCacheMismatch(f"serialized KV cache does not fit this cache (saved, here): {mismatched}.{hint}")
         n = header["num_tokens"]
         if n > self.num_entries:
-            raise KVCacheError(f"serialized KV cache holds {n} tokens; this cache has room for {self.num_entries}.")
+            raise KVCacheMismatch(f"serialized KV cache holds {n} tokens; this cache has room for {self.num_entries}.")
         shape = (self.num_layers, self.batch_size, n, self.num_kv_heads, self.head_dim)
         size = int(np.prod(shape)) * self.dtype.itemsize
         if fields["keys"].size != size or fields["values"].size != size:
@@ -608,6 +612,7 @@ class KVCache:
         arrays = [fields["keys"].view(self.dtype).reshape(shape), fields["values"].view(self.dtype).reshape(shape)]
         if row_scales:
             arrays += [fields[k].view(np.float32).reshape(shape[:-1]) for k in ("key_scales", "value_scales")]
+        _check_numbers(arrays, row_scales)
         for (buffers, blocked), saved in zip(self._blocked_lists(), arrays):
             for layer in range(self.num_layers):
                 self._write(buffers[layer], slice(None), n, saved[layer], blocked)
@@ -618,6 +623,25 @@ class KVCache:
             return f"KVCache(id={self.cache_id}, released)"
         return (f"KVCache(id={self.cache_id}, layers={self.num_layers}, batch={self.batch_size}, "
                 f"tokens={self.num_tokens}/{self.num_entries}, layout={self.layout})")
+
+
+def _check_numbers(arrays: list[np.ndarray], row_scales: bool) -> None:
+    """A checksum only proves the bytes are the ones written: a crafted file can carry NaN or
+    infinite entries, which would turn every later attention output, and so every token, into NaN
+    (and a negative row scale flips its row's sign).
+    arrays: keys, values [layer, ...], then the key and value row scales if row_scales."""
+    names = ["keys", "values"] + (["key row scales", "value row scales"] if row_scales else [])
+    for name, array in zip(names, arrays):
+        scales = name.endswith("scales")
+        if array.dtype.kind != "f":
+            continue  # int8 codes: any value is a number
+        bad = ~np.isfinite(array) | (array < 0) if scales else ~np.isfinite(array)
+        if bad.any():
+            layer = int(np.argwhere(bad)[0][0])
+            what = "negative, NaN or infinite" if scales else "NaN or infinite"
+            raise KVCacheError(f"serialized KV cache holds {what} {name} (layer {layer}); loaded, they would make "
+                               "every later output NaN. The file is damaged or crafted, or was saved from a model "
+                               "whose activations overflowed: save a healthy cache again with litekv.")
 
 
 def key_block_view(blocks: np.ndarray) -> np.ndarray:

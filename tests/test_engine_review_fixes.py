@@ -158,6 +158,18 @@ def test_a_kv_cache_that_does_not_fit_is_a_session_format_error_naming_the_file(
     assert isinstance(info.value.__cause__, KVCacheError)
 
 
+def test_a_kv_cache_holding_nan_is_refused_as_damaged_not_as_another_bundles(tmp_path):
+    session = scripted_engine("a b").create_session()
+    session.prefill([5, 6, 7])
+    session.kv_cache.raw_values(0)[0, 1, 0, 2] = np.nan  # as a model that overflowed would leave it
+    session.save(tmp_path / "nan.lkvs")
+    with pytest.raises(SessionFormatError, match=r"nan\.lkvs: its KV cache cannot be loaded: .*NaN or infinite "
+                                                 r"values \(layer 0\)") as info:
+        scripted_engine("a b").load_session(tmp_path / "nan.lkvs")
+    assert "same KV cache options" not in str(info.value)
+    assert isinstance(info.value.__cause__, KVCacheError)
+
+
 # ---- 4. adapters by name ----------------------------------------------------------------------------
 
 @pytest.fixture

@@ -197,6 +197,30 @@ def test_only_a_newer_format_version_asks_to_upgrade(version, match):
     assert cache.num_tokens == 6
 
 
+# Every format whose bytes can be other than numbers: float keys and values, int8 codes' row scales
+# (whose sign matters too). Static int8 codes are numbers whatever their bytes.
+NOT_NUMBERS = [(f, bad) for f in FORMATS if f[1] != "int8" or f[2]
+               for bad in ([np.nan, np.inf, -np.inf] + ([-0.5] if f[2] else []))]
+
+
+@pytest.mark.parametrize("fmt, bad", NOT_NUMBERS, ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_load_refuses_values_that_are_not_numbers_and_keeps_the_cache(fmt, bad):
+    layout, dtype, row_scales = fmt
+    source = filled(layout, dtype, row_scales, tokens=9, seed=1)
+    if row_scales:
+        buffer, name = source.raw_value_scales(1), "value row scales"
+        buffer[0, 2, 5] = bad  # [batch, KV head, slot]
+    else:
+        buffer, name = source.raw_keys(1), "keys"
+        buffer[(0, 5, 2, 1) if layout == "BSHD" else (0, 2, 5, 1)] = bad
+    target = filled(layout, dtype, row_scales, tokens=7, seed=2)
+    before = contents(target)
+    with pytest.raises(KVCacheError, match=f"holds (negative, )?NaN or infinite {name} \\(layer 1\\).*damaged"):
+        target.load(source.serialize())
+    assert target.num_tokens == 7
+    assert_same(contents(target), before)
+
+
 def mutated(data: bytes, rng: np.random.Generator) -> bytearray:
     """`data` after 1-3 random bit flips, truncations, overwritten 32-bit words and vtables cut mid-entry."""
     buf = bytearray(data)
