@@ -53,6 +53,10 @@ ATTENTION_KINDS = ("kernel", "graph")
 SAMPLER_SIGNATURE = "sampler"
 # The sampler graph's scalar inputs, each of shape [1], in order: (name, dtype).
 SAMPLER_INPUTS = (("temperature", "float32"), ("top_k", "int32"), ("top_p", "float32"), ("seed", "int32"))
+# The sampler graph's `next_token` when the logits it is fed hold a NaN or an infinity. The sampler
+# graphs of bundles converted before it draw some id from such logits (their greedy steps, taken on
+# the host, are refused all the same).
+SAMPLER_NON_FINITE = -1
 # int32 [1] input of a graph whose fp32 head is screened: 0 computes every logit; k > 0 only the rows
 # that can rank among the k largest exactly, the rest the lowest float (the in-graph sampler passes
 # its candidates' count, litekv.sampling.CANDIDATES).

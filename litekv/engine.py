@@ -18,11 +18,11 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from litekv.errors import Cancelled, ChatTemplateError, ConfigError, ContextFull, SessionFormatError
+from litekv.errors import BackendError, Cancelled, ChatTemplateError, ConfigError, ContextFull, SessionFormatError
 from litekv.executor import LoraAdapter, LoraError, LoraInUse, SamplerParams, load_peft_adapter
 from litekv.executor.lora import adapter_rank
 from litekv.kv_cache import KVCache, KVCacheError, KVCacheMismatch
-from litekv.sampling import sample_token
+from litekv.sampling import all_finite, sample_token
 from litekv.tokenizer import Tokenizer
 from litekv.validation import is_int
 
@@ -366,6 +366,13 @@ class Session:
             position = self.kv_cache.num_tokens
             # Ours to change: step returns an array no one else holds (ExternalSamplerExecutor._decode).
             logits = executor.step([pending], self.kv_cache, self._lora_id)[0]
+            if not all_finite(logits):  # refused as sample_tokens refuses them, the step not committed
+                self.kv_cache.set_num_tokens(position)
+                raise BackendError(
+                    f"the model's logits at position {position} hold NaN or infinite values, so no token can be "
+                    f"sampled; the session keeps its {len(self._tokens)} tokens. Check the model in "
+                    f"{getattr(executor, 'bundle_path', None) or 'this engine'} and any LoRA adapter (damaged weights, or "
+                    "values beyond float32), or reconvert the model.")
             self._seen_tokens().penalize(logits, sampler.repetition_penalty)
             params = sampler.params
             token = (int(np.argmax(logits)) if params.greedy else

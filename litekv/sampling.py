@@ -74,6 +74,14 @@ def sample_token(logits: np.ndarray, temperature: float, top_k: int, top_p: floa
     return int(order[choice])
 
 
+def all_finite(logits: np.ndarray) -> bool:
+    """Whether logits [vocab] hold no NaN or infinity: max and min carry a NaN and find every infinity,
+    without the temporary array of np.isfinite. A model whose logits fail this is broken: the
+    executors' samplers and Session refuse to draw from them (sample_token alone still draws from the
+    finite ones)."""
+    return math.isfinite(logits.max()) and math.isfinite(logits.min())
+
+
 def top_order(logits: np.ndarray, temperature: np.float32, k: int) -> np.ndarray:
     """Indices [k] of the k largest logits / temperature, largest first, ties in index order, NaN last.
 

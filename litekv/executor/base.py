@@ -19,8 +19,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from litekv.bundle import Manifest
-from litekv.errors import Cancelled, ConfigError, ContextFull
+from litekv.bundle import SAMPLER_NON_FINITE, Manifest
+from litekv.errors import BackendError, Cancelled, ConfigError, ContextFull
 from litekv.kv_cache import KVCache, KVCacheError, KVCacheFormat
 from litekv.models.config import ModelConfig
 from litekv.resident_pages import ModelFilePages, keep_large_allocations_mapped
@@ -189,6 +189,8 @@ class ExecutorBase(ABC):
     # The converted bundle's manifest (None for executors without a bundle): its KV cache format is
     # what create_kv_cache makes.
     manifest: Manifest | None = None
+    # The bundle directory it runs, named in errors (None for executors without a bundle).
+    bundle_path: Path | None = None
     # The model file's pages to give back after each prefill chunk and every few hundred steps
     # (CPU backends that run on their own copy of the weights set it).
     model_pages: ModelFilePages | None = None
@@ -483,7 +485,10 @@ class InternalSamplerExecutor(ExecutorBase):
 
         sampler: SamplerParams, or a litekv.SamplerConfig without repetition penalty. Each step
         feeds the previous step's sample. A cancel stops at the next step and raises `Cancelled`;
-        the cache then holds every token that was fed in.
+        the cache then holds every token that was fed in. A step whose logits hold a NaN or an
+        infinity (a broken model or adapter, an overflow) samples nothing and raises BackendError,
+        as the host sampler does; the cache then holds the tokens fed in before that step, not the
+        one it fed, as when a cancel stops a step inside its model run.
         """
         if not is_int(num_steps) or num_steps < 1:
             raise ConfigError(f"num_steps must be an int of at least 1, got {num_steps!r}.")
@@ -500,6 +505,8 @@ class InternalSamplerExecutor(ExecutorBase):
             for i in range(num_steps):
                 self._check_cancel(call)
                 tokens = self._sample(tokens, kv_cache, adapter, sampler)
+                if tokens.min() < 0:  # SAMPLER_NON_FINITE: not a token to feed, nor to commit the step for
+                    raise self._non_finite_logits(tokens, i, kv_cache, call.lora_id)
                 kv_cache.set_num_tokens(kv_cache.num_tokens + 1)
                 self._count_steps(batch)
                 out[:, i] = tokens
@@ -507,7 +514,21 @@ class InternalSamplerExecutor(ExecutorBase):
             self._end_call(call)
         return out
 
+    def _non_finite_logits(self, sampled: np.ndarray, step: int, kv_cache: KVCache,
+                           lora_id: int | None) -> BackendError:
+        """The error of a step whose sampled ids [batch] hold SAMPLER_NON_FINITE."""
+        rows = np.flatnonzero(sampled == SAMPLER_NON_FINITE).tolist()
+        where = f"batch row{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows))}"
+        model = "the model" + (f" in {self.bundle_path}" if self.bundle_path is not None else "")
+        if lora_id is not None:
+            model += f" and LoRA adapter {lora_id}"
+        return BackendError(
+            f"{self.backend}: the logits of sample_tokens step {step} (position {kv_cache.num_tokens}, {where}) hold "
+            f"NaN or infinite values, so no token can be sampled; the KV cache keeps the {kv_cache.num_tokens} tokens "
+            f"before that step. Check {model} (damaged weights, or values beyond float32), or reconvert the model.")
+
     @abstractmethod
     def _sample(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None,
                 sampler: SamplerParams) -> np.ndarray:
-        """Feed one token per row at position num_tokens; return the sampled next tokens [batch] int32."""
+        """Feed one token per row at position num_tokens; return the sampled next tokens [batch] int32,
+        SAMPLER_NON_FINITE for a row whose logits hold a NaN or an infinity."""

@@ -27,7 +27,7 @@ from litekv.sampling import CANDIDATES
 
 from .base import ExternalSamplerExecutor, InternalSamplerExecutor, SamplerParams, check_accelerator, check_threads
 from .lora import LoraAdapter, lora_inputs
-from .numpy_executor import host_sample
+from .numpy_executor import greedy_token, host_sample
 from .prefill_plan import Chunk
 
 MASKED = np.finfo(np.float32).min
@@ -267,7 +267,8 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
                                   f"context {manifest.max_context}; reconvert the model.")
         if "decode" not in self._capacities:
             raise BundleError(f"{bundle}: the bundle has no decode entry point; reconvert the model.")
-        path = Path(bundle) / manifest.model_file
+        self.bundle_path = Path(bundle)
+        path = self.bundle_path / manifest.model_file
         weight_cache = xnnpack_cache_file(path, manifest.fingerprint)
         mapped_before = FileMappings(path).ranges  # other models of this file in the process: not ours to release
         cache_mapped_before = FileMappings(weight_cache).ranges
@@ -437,8 +438,8 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         for row in range(kv_cache.batch_size):
             io = self._run(name, tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter,
                            head_keep=CANDIDATES)  # the sampler draws from these
-            if sampler.greedy:  # the sampler graph's top-1 (lowest index of ties) without its run
-                out[row] = io.outputs["logits"][0, 0].argmax()
+            if sampler.greedy:  # the sampler graph's top-1 without its run, refusing what it refuses
+                out[row] = greedy_token(io.outputs["logits"][0, 0])
             else:
                 out[row] = self._sampler.run(io, sampler.graph_inputs(sampler.seed_for(kv_cache.num_tokens, row)))
 

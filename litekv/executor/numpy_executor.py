@@ -1,14 +1,16 @@
 """The numpy reference as an executor: slow but dependency-free, and the golden model in tests."""
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 import numpy as np
 
+from litekv.bundle import SAMPLER_NON_FINITE
 from litekv.kv_cache import KVCache
 from litekv.models.config import ModelConfig
 from litekv.reference import ArrayKVCache, ReferenceModel
-from litekv.sampling import sample_token
+from litekv.sampling import all_finite, sample_token
 
 from .base import ExternalSamplerExecutor, InternalSamplerExecutor, SamplerParams
 from .lora import LORA_TARGETS_ALL, LoraAdapter
@@ -52,8 +54,17 @@ class NumpyExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
 
 
 def host_sample(logits: np.ndarray, sampler: SamplerParams, position: int) -> np.ndarray:
-    """Sample each row of logits [batch, vocab] exactly as the in-graph sampler would."""
+    """Sample each row of logits [batch, vocab] exactly as the in-graph sampler would, SAMPLER_NON_FINITE
+    for a row holding a NaN or an infinity."""
     if sampler.greedy:
-        return np.argmax(logits, axis=-1).astype(np.int32)
-    return np.array([sample_token(row, sampler.temperature, sampler.top_k, sampler.top_p,
-                                  sampler.seed_for(position, b)) for b, row in enumerate(logits)], np.int32)
+        return np.array([greedy_token(row) for row in logits], np.int32)
+    return np.array([sample_token(row, sampler.temperature, sampler.top_k, sampler.top_p, sampler.seed_for(position, b))
+                     if all_finite(row) else SAMPLER_NON_FINITE for b, row in enumerate(logits)], np.int32)
+
+
+def greedy_token(logits: np.ndarray) -> int:
+    """The id of the top logit of logits [vocab] float32 (the lowest of ties, as the sampler graph's
+    top-1), or SAMPLER_NON_FINITE where a logit is NaN or infinite, as the sampler graph refuses them.
+    argmax stops at the first NaN and finds a +inf; min finds a -inf (3 us over SmolLM2's 49,152)."""
+    token = int(logits.argmax())
+    return token if math.isfinite(logits[token]) and math.isfinite(logits.min()) else SAMPLER_NON_FINITE

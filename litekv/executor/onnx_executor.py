@@ -21,7 +21,7 @@ from litekv.sampling import CANDIDATES
 
 from .base import ExternalSamplerExecutor, InternalSamplerExecutor, SamplerParams, check_accelerator, check_threads
 from .lora import LoraAdapter, lora_inputs
-from .numpy_executor import host_sample
+from .numpy_executor import greedy_token, host_sample
 from .prefill_plan import Chunk
 
 # accelerator name -> execution providers to try, in order
@@ -99,7 +99,7 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
                        if manifest.decode_model_file else None)
         sampler_path = (check_onnx_graph(bundle, manifest.sampler_file, "sampler graph")
                         if manifest.sampler_file else None)
-        self._bundle, self._threads, self._providers = bundle, threads, providers
+        self.bundle_path, self._threads, self._providers = bundle, threads, providers
         self._lora_session = None  # the LoRA graph, opened when the first adapter is loaded
         data_file = bundle / (manifest.model_file + ".data")
         mapped_before = mapped_ranges(data_file)  # other sessions of this file in the process: not ours
@@ -169,7 +169,7 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         if adapter is None or self.lora_rank is None:
             return {}
         if self._lora_session is None:
-            path = check_onnx_graph(self._bundle, ONNX_LORA_FILE, "LoRA graph")
+            path = check_onnx_graph(self.bundle_path, ONNX_LORA_FILE, "LoRA graph")
             try:
                 # options of its own: litekv's ops register once per SessionOptions
                 self._lora_session = self._session(path, _session_options(self._ort, self._threads), self._kernel)
@@ -224,8 +224,8 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         for row in range(kv_cache.batch_size):
             logits, logits_value = self._run(tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter,
                                              head_keep=CANDIDATES)  # the sampler draws from these
-            if sampler.greedy:  # the sampler graph's top-1 (lowest index of ties) without its run
-                out[row] = logits[0, 0].argmax()
+            if sampler.greedy:  # the sampler graph's top-1 without its run, refusing what it refuses
+                out[row] = greedy_token(logits[0, 0])
             else:
                 out[row] = self._sample_on_graph(logits_value, sampler, sampler.seed_for(kv_cache.num_tokens, row))
         return out
