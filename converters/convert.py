@@ -655,6 +655,7 @@ def _emit(ckpt, options: ConvertOptions, staging: Path, bar: ProgressBar) -> Man
         decode_linears=options.linears_kind, prefill_linears=options.prefill_linears_kind,
         decode_model_file=decode_model_file,
         lm_head_kernel=lm_head_kernel,
+        sampler_refuses_non_finite=options.sampler,
     )
 
 

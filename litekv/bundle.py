@@ -47,15 +47,14 @@ FORMAT = "litekv-bundle"
 # quantizes and writes the step's rows and scales the output itself.
 # 18: an fp32 LM head in litekv's op may carry an int8 screen (litekv.linear_f32_screened, ONNX
 # LinearF32Screened); the graphs that compute it take HEAD_KEEP_INPUT.
-VERSION = 18
-READABLE_VERSIONS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18)
+VERSION = 19
+READABLE_VERSIONS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19)
 ATTENTION_KINDS = ("kernel", "graph")
 SAMPLER_SIGNATURE = "sampler"
 # The sampler graph's scalar inputs, each of shape [1], in order: (name, dtype).
 SAMPLER_INPUTS = (("temperature", "float32"), ("top_k", "int32"), ("top_p", "float32"), ("seed", "int32"))
-# The sampler graph's `next_token` when the logits it is fed hold a NaN or an infinity. The sampler
-# graphs of bundles converted before it draw some id from such logits (their greedy steps, taken on
-# the host, are refused all the same).
+# The sampler graph's `next_token` when the logits it is fed hold a NaN or an infinity (bundles whose
+# manifest says sampler_refuses_non_finite; the executors check older bundles' logits on the host).
 SAMPLER_NON_FINITE = -1
 # int32 [1] input of a graph whose fp32 head is screened: 0 computes every logit; k > 0 only the rows
 # that can rank among the k largest exactly, the rest the lowest float (the in-graph sampler passes
@@ -136,6 +135,10 @@ class Manifest:
     lm_head_kernel: bool = False
     # ONNX: the graph decode steps run, beside `model_file` and over its weight file (decode_linears "kernel")
     decode_model_file: str | None = None
+    # The sampler graph returns SAMPLER_NON_FINITE for logits holding a NaN or an infinity (bundles
+    # from version 19); older sampler graphs draw some id from them, so the executors check such
+    # bundles' logits on the host before their sampler runs.
+    sampler_refuses_non_finite: bool = False
     # Names the manifest in errors: its path (from_json); None: built in code.
     where: InitVar[str | None] = None
 
@@ -629,4 +632,5 @@ _FIELD_CHECKS = {
     "prefill_linears": _str,
     "lm_head_kernel": _bool,
     "decode_model_file": _optional(_file_name),
+    "sampler_refuses_non_finite": _bool,
 }

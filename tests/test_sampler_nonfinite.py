@@ -6,6 +6,8 @@ and without a sampler graph host_sample does the same; a healthy model samples a
 """
 from __future__ import annotations
 
+import json
+import shutil
 from functools import lru_cache
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from conformance import BACKENDS, PREFILL_LENGTHS, executor, scratch_dir
-from litekv.bundle import SAMPLER_NON_FINITE
+from litekv.bundle import MANIFEST, SAMPLER_NON_FINITE
 from litekv.converters.checkpoint import load_checkpoint
 from litekv.converters.convert import ConvertOptions, convert
 from litekv.engine import Engine, SamplerConfig
@@ -203,3 +205,43 @@ def test_a_session_sampling_on_the_host_refuses_them_too_and_stays_consistent(ba
         next(session.generate(4, ignore_eos=True))
     assert session.tokens == PROMPT
     assert session.kv_cache.num_tokens == len(PROMPT) - 1  # the last prompt token still pending, as before
+
+
+# ---- bundles converted before their sampler graphs refused such logits ------------------------------
+
+def as_version_18(bundle: Path, directory: Path) -> Path:
+    """A copy of `bundle` whose manifest is a version-18 one, written before the sampler graphs refused
+    non-finite logits (the field absent)."""
+    copy = directory / bundle.name
+    shutil.copytree(bundle, copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    assert manifest.pop("sampler_refuses_non_finite") is True
+    (copy / MANIFEST).write_text(json.dumps({**manifest, "version": 18}))
+    return copy
+
+
+def draw_seven(ex, backend: str, monkeypatch) -> None:
+    """Stand in for an older sampler graph, which draws an id from any logits."""
+    if backend == "litert":
+        monkeypatch.setattr(ex._sampler, "run", lambda io, inputs: 7)
+    else:
+        monkeypatch.setattr(ex, "_sample_on_graph", lambda logits_value, sampler, seed: 7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_older_bundles_logits_are_checked_on_the_host(backend, tmp_path, monkeypatch):
+    old = open_executor(as_version_18(overflowing(backend).bundle_path, tmp_path))
+    assert not old.manifest.sampler_refuses_non_finite
+    draw_seven(old, backend, monkeypatch)
+    cache = old.create_kv_cache()
+    old.prefill(PROMPT, cache)
+    with pytest.raises(BackendError, match=r"step 0 \(position 5, batch row 0\) hold NaN or infinite values"):
+        old.sample_tokens(2, [3], cache, sampler=SAMPLED)
+    assert cache.num_tokens == len(PROMPT)
+
+    new = overflowing(backend)  # its graph refuses them itself: no second check on the host
+    assert new.manifest.sampler_refuses_non_finite
+    draw_seven(new, backend, monkeypatch)
+    cache = new.create_kv_cache()
+    new.prefill(PROMPT, cache)
+    assert new.sample_tokens(2, [3], cache, sampler=SAMPLED).tolist() == [[7, 7]]

@@ -16,14 +16,14 @@ from pathlib import Path
 import numpy as np
 
 from litekv import litert_capi, native_attention
-from litekv.bundle import HEAD_KEEP_INPUT, SAMPLER_INPUTS, SAMPLER_SIGNATURE, BundleError, Manifest
+from litekv.bundle import HEAD_KEEP_INPUT, SAMPLER_INPUTS, SAMPLER_NON_FINITE, SAMPLER_SIGNATURE, BundleError, Manifest
 from litekv.catalog import cache_dir
 from litekv.durable import exclusive_lock, replace_durably
 from litekv.errors import AcceleratorUnavailable, BackendError, Cancelled, MissingDependency
 from litekv.kv_cache import KEY_BLOCK_SLOTS, KVCache, aligned_zeros, on_huge_pages
 from litekv.litert_capi import CompiledTFLiteModel, HostTensorBuffer
 from litekv.resident_pages import FileMappings, ModelFilePages
-from litekv.sampling import CANDIDATES
+from litekv.sampling import CANDIDATES, all_finite
 
 from .base import ExternalSamplerExecutor, InternalSamplerExecutor, SamplerParams, check_accelerator, check_threads
 from .lora import LoraAdapter, lora_inputs
@@ -440,6 +440,8 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
                            head_keep=CANDIDATES)  # the sampler draws from these
             if sampler.greedy:  # the sampler graph's top-1 without its run, refusing what it refuses
                 out[row] = greedy_token(io.outputs["logits"][0, 0])
+            elif not self.manifest.sampler_refuses_non_finite and not all_finite(io.outputs["logits"][0, 0]):
+                out[row] = SAMPLER_NON_FINITE  # an older bundle's sampler graph would draw from them
             else:
                 out[row] = self._sampler.run(io, sampler.graph_inputs(sampler.seed_for(kv_cache.num_tokens, row)))
 
