@@ -642,9 +642,9 @@ def _check_numbers(arrays: list[np.ndarray], row_scales: bool) -> None:
         scales = name.endswith("scales")
         if array.dtype.kind != "f":
             continue  # int8 codes: any value is a number
-        bad = ~np.isfinite(array) | (array < 0) if scales else ~np.isfinite(array)
-        if bad.any():
-            layer = int(np.argwhere(bad)[0][0])
+        for layer, values in enumerate(array):  # a layer's temporary at a time (float16 min/max are 8x slower)
+            if np.isfinite(values).all() and not (scales and values.size and values.min() < 0):
+                continue
             what = "negative, NaN or infinite" if scales else "NaN or infinite"
             raise KVCacheError(f"serialized KV cache holds {what} {name} (layer {layer}); loaded, they would make "
                                "every later output NaN. The file is damaged or crafted, or was saved from a model "
