@@ -337,10 +337,10 @@ class KVCache:
     def key_cache(self, layer: int) -> np.ndarray:
         """Read-only [batch, token, kv_head, dim] view of the layer's keys over the tokens valid now.
 
-        The view shares the cache's memory (keys in blocks: a copy). A LiteRT executor moves a cache
-        made elsewhere (allocate, deep_copy) into memory of its own before it first runs on it, so a
-        view taken before that run keeps showing the old memory: take views after the cache's first
-        prefill or step, or take them again."""
+        The view shares the cache's memory (keys in blocks: a copy). Before a LiteRT executor first runs
+        on a cache made elsewhere (allocate, deep_copy), it may move it into the buffers of a dead cache
+        of the same form, so a view taken before that run may keep showing the old memory: take views
+        after the cache's first prefill or step, or take them again."""
         return self._valid_view(self._s.keys[self._layer(layer)], self.key_blocks)
 
     def value_cache(self, layer: int) -> np.ndarray:

@@ -16,18 +16,18 @@ from pathlib import Path
 import numpy as np
 
 from litekv import litert_capi, native_attention
-from litekv.bundle import HEAD_KEEP_INPUT, SAMPLER_INPUTS, SAMPLER_NON_FINITE, SAMPLER_SIGNATURE, BundleError, Manifest
+from litekv.bundle import HEAD_KEEP_INPUT, SAMPLER_INPUTS, SAMPLER_SIGNATURE, BundleError, Manifest
 from litekv.catalog import cache_dir
 from litekv.durable import exclusive_lock, replace_durably
 from litekv.errors import AcceleratorUnavailable, BackendError, Cancelled, MissingDependency
 from litekv.kv_cache import KEY_BLOCK_SLOTS, KVCache, aligned_zeros, on_huge_pages
 from litekv.litert_capi import CompiledTFLiteModel, HostTensorBuffer
 from litekv.resident_pages import FileMappings, ModelFilePages
-from litekv.sampling import CANDIDATES, all_finite
+from litekv.sampling import CANDIDATES
 
 from .base import ExternalSamplerExecutor, InternalSamplerExecutor, SamplerParams, check_accelerator, check_threads
 from .lora import LoraAdapter, lora_inputs
-from .numpy_executor import greedy_token, host_sample
+from .numpy_executor import host_sample, host_token
 from .prefill_plan import Chunk
 
 MASKED = np.finfo(np.float32).min
@@ -438,12 +438,9 @@ class LiteRTExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         for row in range(kv_cache.batch_size):
             io = self._run(name, tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter,
                            head_keep=CANDIDATES)  # the sampler draws from these
-            if sampler.greedy:  # the sampler graph's top-1 without its run, refusing what it refuses
-                out[row] = greedy_token(io.outputs["logits"][0, 0])
-            elif not self.manifest.sampler_refuses_non_finite and not all_finite(io.outputs["logits"][0, 0]):
-                out[row] = SAMPLER_NON_FINITE  # an older bundle's sampler graph would draw from them
-            else:
-                out[row] = self._sampler.run(io, sampler.graph_inputs(sampler.seed_for(kv_cache.num_tokens, row)))
+            token = host_token(io.outputs["logits"][0, 0], sampler, self.manifest.sampler_refuses_non_finite)
+            out[row] = (token if token is not None else
+                        self._sampler.run(io, sampler.graph_inputs(sampler.seed_for(kv_cache.num_tokens, row))))
 
     # ---- cancellation ---------------------------------------------------------------------------
     def _exclusive(self, kv_cache: KVCache, work: Callable, *args) -> None:

@@ -56,10 +56,9 @@ class NumpyExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
 def host_sample(logits: np.ndarray, sampler: SamplerParams, position: int) -> np.ndarray:
     """Sample each row of logits [batch, vocab] exactly as the in-graph sampler would, SAMPLER_NON_FINITE
     for a row holding a NaN or an infinity."""
-    if sampler.greedy:
-        return np.array([greedy_token(row) for row in logits], np.int32)
+    tokens = [host_token(row, sampler, graph_refuses_non_finite=False) for row in logits]
     return np.array([sample_token(row, sampler.temperature, sampler.top_k, sampler.top_p, sampler.seed_for(position, b))
-                     if all_finite(row) else SAMPLER_NON_FINITE for b, row in enumerate(logits)], np.int32)
+                     if token is None else token for b, (row, token) in enumerate(zip(logits, tokens))], np.int32)
 
 
 def greedy_token(logits: np.ndarray) -> int:
@@ -68,3 +67,15 @@ def greedy_token(logits: np.ndarray) -> int:
     argmax stops at the first NaN and finds a +inf; min finds a -inf (3 us over SmolLM2's 49,152)."""
     token = int(logits.argmax())
     return token if math.isfinite(logits[token]) and math.isfinite(logits.min()) else SAMPLER_NON_FINITE
+
+
+def host_token(logits: np.ndarray, sampler: SamplerParams, graph_refuses_non_finite: bool) -> int | None:
+    """What is decided on the host before a sampler draws from logits [vocab]: a greedy step's top-1
+    (greedy_token); SAMPLER_NON_FINITE for non-finite logits, unless the sampler graph refuses them
+    itself (Manifest.sampler_refuses_non_finite; older graphs and sample_token draw from them); else
+    None: the sampler draws."""
+    if sampler.greedy:
+        return greedy_token(logits)
+    if not graph_refuses_non_finite and not all_finite(logits):
+        return SAMPLER_NON_FINITE
+    return None

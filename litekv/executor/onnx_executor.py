@@ -13,16 +13,15 @@ from pathlib import Path
 import numpy as np
 
 from litekv import native_attention
-from litekv.bundle import (HEAD_KEEP_INPUT, ONNX_LORA_FILE, SAMPLER_INPUTS, SAMPLER_NON_FINITE, BundleError, Manifest,
-                           check_onnx_graph)
+from litekv.bundle import HEAD_KEEP_INPUT, ONNX_LORA_FILE, SAMPLER_INPUTS, BundleError, Manifest, check_onnx_graph
 from litekv.errors import AcceleratorUnavailable, BackendError, Cancelled, MissingDependency
 from litekv.kv_cache import KVCache, aligned_zeros
 from litekv.resident_pages import FileMappings, ModelFilePages, mapped_ranges
-from litekv.sampling import CANDIDATES, all_finite
+from litekv.sampling import CANDIDATES
 
 from .base import ExternalSamplerExecutor, InternalSamplerExecutor, SamplerParams, check_accelerator, check_threads
 from .lora import LoraAdapter, lora_inputs
-from .numpy_executor import greedy_token, host_sample
+from .numpy_executor import host_sample, host_token
 from .prefill_plan import Chunk
 
 # accelerator name -> execution providers to try, in order
@@ -225,12 +224,9 @@ class OnnxExecutor(ExternalSamplerExecutor, InternalSamplerExecutor):
         for row in range(kv_cache.batch_size):
             logits, logits_value = self._run(tokens[row:row + 1], kv_cache.num_tokens, kv_cache, row, adapter,
                                              head_keep=CANDIDATES)  # the sampler draws from these
-            if sampler.greedy:  # the sampler graph's top-1 without its run, refusing what it refuses
-                out[row] = greedy_token(logits[0, 0])
-            elif not self.manifest.sampler_refuses_non_finite and not all_finite(logits[0, 0]):
-                out[row] = SAMPLER_NON_FINITE  # an older bundle's sampler graph would draw from them
-            else:
-                out[row] = self._sample_on_graph(logits_value, sampler, sampler.seed_for(kv_cache.num_tokens, row))
+            token = host_token(logits[0, 0], sampler, self.manifest.sampler_refuses_non_finite)
+            out[row] = (token if token is not None else
+                        self._sample_on_graph(logits_value, sampler, sampler.seed_for(kv_cache.num_tokens, row)))
         return out
 
     def _sample_on_graph(self, logits_value, sampler: SamplerParams, seed: int) -> int:
