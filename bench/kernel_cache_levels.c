@@ -1,9 +1,12 @@
 /* The decode-attention kernel outside any model, with its cache in L2, in L3 or coming from
  * memory, against one core reading the same bytes with no arithmetic.
  *
- * Usage: kernel_cache_levels SLOTS THREADS SETS LAYERS REPEATS [float|f16]
- *   Allocates SETS x LAYERS page-aligned caches, int8 codes (float32 with `float`, float16 with `f16`; SmolLM2: 9
- *   query and 3 KV heads, head_dim 64, SLOTS rows each for keys and values) and times LAYERS
+ * Usage: kernel_cache_levels SLOTS THREADS SETS LAYERS REPEATS [float|f16|head-major]
+ *   Allocates SETS x LAYERS caches, int8 codes (float32 with `float`, float16 with `f16`; SmolLM2: 9
+ *   query and 3 KV heads, head_dim 64, SLOTS rows each for keys and values; `head-major`: int8 codes
+ *   as ONNX bundles keep them, [KV head][slot][D], where the others are LiteRT's [slot][KV head][D]),
+ *   each on transparent huge pages where the system allows them, as KVCache puts a runtime's cache
+ *   (4 KB pages made a call from memory up to a tenth slower, by the page walks), and times LAYERS
  *   consecutive calls, each on the next layer's cache, the sets taking turns. SETS 1 LAYERS 1
  *   keeps one layer in L2; SETS 1 LAYERS 30 keeps 30 layers (23.6 MB of int8 codes at 2,048
  *   slots) in the L3; SETS 8 reads from memory.
@@ -15,6 +18,18 @@
 #include "decode_attention.c"
 
 #include <stdio.h>
+#include <sys/mman.h>
+
+/* n bytes (rounded up to 2 MB) on a 2 MB boundary, advised for transparent huge pages. */
+static void *huge_page_alloc(size_t n) {
+    const size_t huge = (size_t)1 << 21;
+    n = (n + huge - 1) / huge * huge;
+    void *p = aligned_alloc(huge, n);
+#ifdef MADV_HUGEPAGE
+    if (p) madvise(p, n, MADV_HUGEPAGE); /* only advice: 4 KB pages serve where it is refused */
+#endif
+    return p;
+}
 
 #define HEADS 9
 #define KV_HEADS 3
@@ -73,9 +88,13 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static double vnni_per_se
 #endif
 
 int main(int argc, char **argv) {
-    const int type = argc == 6 ? CACHE_I8 : strcmp(argv[6], "float") == 0 ? CACHE_F32 : strcmp(argv[6], "f16") == 0 ? CACHE_F16 : -1;
+    const int head_major = argc == 7 && strcmp(argv[6], "head-major") == 0;
+    const int type = argc == 6 || head_major ? CACHE_I8
+                     : strcmp(argv[6], "float") == 0 ? CACHE_F32
+                     : strcmp(argv[6], "f16") == 0   ? CACHE_F16
+                                                     : -1;
     if ((argc != 6 && argc != 7) || type < 0) {
-        fprintf(stderr, "usage: %s SLOTS THREADS SETS LAYERS REPEATS [float|f16]\n", argv[0]);
+        fprintf(stderr, "usage: %s SLOTS THREADS SETS LAYERS REPEATS [float|f16|head-major]\n", argv[0]);
         return 2;
     }
     const int slots = atoi(argv[1]), threads = atoi(argv[2]), sets = atoi(argv[3]), layers = atoi(argv[4]),
@@ -88,8 +107,8 @@ int main(int argc, char **argv) {
     if (!keys || !values || !mask) return 1;
     srand(1);
     for (size_t l = 0; l < count; l++) {
-        keys[l] = aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
-        values[l] = aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+        keys[l] = huge_page_alloc(bytes);
+        values[l] = huge_page_alloc(bytes);
         if (!keys[l] || !values[l]) return 1;
         for (size_t i = 0; i < elements; i++) {
             const int k = rand() % 255 - 127, v = rand() % 255 - 127;
@@ -110,7 +129,10 @@ int main(int argc, char **argv) {
         const size_t first = (size_t)(r % sets) * layers;
         const double start = seconds();
         for (size_t l = first; l < first + (size_t)layers; l++)
-            if (litekv_attention_run(&cfg, query, keys[l], values[l], NULL, NULL, mask, out, HEADS, KV_HEADS, slots, type) != 0)
+            if ((head_major ? litekv_attention_head_major(&cfg, query, keys[l], values[l], out, HEADS, KV_HEADS, slots,
+                                                          HEAD_DIM, 0, slots - 1, type, NULL)
+                            : litekv_attention_run(&cfg, query, keys[l], values[l], NULL, NULL, mask, out, HEADS,
+                                                   KV_HEADS, slots, type)) != 0)
                 return 1;
         kernel = best_of(kernel, start);
     }
@@ -127,8 +149,8 @@ int main(int argc, char **argv) {
     if (int8_dot == INT8_DOT_VNNI) vnni = vnni_per_second(); /* AVX2's integer path has no VNNI to count */
 #endif
     printf("{\"heads\": %d, \"head_dim\": %d, \"slots\": %d, \"threads\": %d, \"sets\": %d, \"layers\": %d, "
-           "\"cache\": \"%s\", \"int8_dot\": %d, \"kernel_ms\": %.4f, "
+           "\"cache\": \"%s\", \"layout\": \"%s\", \"int8_dot\": %d, \"kernel_ms\": %.4f, "
            "\"read_ms\": %.4f, \"vnni_per_second\": %.4g, \"sink\": %llu}\n",
-           HEADS, HEAD_DIM, slots, threads, sets, layers, type == CACHE_I8 ? "int8" : type == CACHE_F16 ? "float16" : "float32", int8_dot, 1e3 * kernel, 1e3 * reading, vnni, (unsigned long long)(sink & 1));
+           HEADS, HEAD_DIM, slots, threads, sets, layers, type == CACHE_I8 ? "int8" : type == CACHE_F16 ? "float16" : "float32", head_major ? "head-major" : "rows", int8_dot, 1e3 * kernel, 1e3 * reading, vnni, (unsigned long long)(sink & 1));
     return 0;
 }

@@ -8,6 +8,10 @@ from what a call inside the model adds (`bench/attention_threads.py`). Compiles
 bench/kernel_cache_levels.c against litekv/kernels with the flags pyproject.toml builds them with
 (needs a C compiler). SmolLM2 shapes: 9 query and 3 KV heads, head_dim 64.
 
+`--layout head-major` runs an int8 cache as ONNX bundles keep it ([KV head][slot][D]) rather than as
+LiteRT's ([slot][KV head][D]). Caches are on transparent huge pages where the system allows them,
+as a runtime's KVCache is.
+
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/kernel_cache_levels.py [--cache float16] [--slots 384]
 """
 from __future__ import annotations
@@ -42,7 +46,12 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cache", choices=tuple(DRIVER_CACHE_ARGUMENT), default="int8", help="the cache's element type")
+    parser.add_argument("--layout", choices=("rows", "head-major"), default="rows",
+                        help="rows: [slot][KV head][D] (LiteRT); head-major: [KV head][slot][D] (ONNX; int8 only)")
     args = parser.parse_args()
+    if args.layout == "head-major" and args.cache != "int8":
+        parser.error("--layout head-major runs an int8 cache only (float caches take rows in the driver)")
+    cache_argument = ["head-major"] if args.layout == "head-major" else DRIVER_CACHE_ARGUMENT[args.cache]
     runs: dict[tuple, list[dict]] = {(name, threads): [] for name, *_ in LEVELS for threads in (1, 2)}
     with tempfile.TemporaryDirectory() as tmp:
         binary = build(Path(tmp))
@@ -50,7 +59,7 @@ def main() -> None:
             for name, sets, layers, repeats in LEVELS:
                 for threads in (1, 2):
                     command = [str(binary), str(args.slots), str(threads), str(sets), str(layers), str(repeats)]
-                    out = subprocess.run(command + DRIVER_CACHE_ARGUMENT[args.cache], capture_output=True, text=True,
+                    out = subprocess.run(command + cache_argument, capture_output=True, text=True,
                                          check=True)
                     runs[(name, threads)].append(json.loads(out.stdout))
     rows, results = [], []
@@ -71,12 +80,13 @@ def main() -> None:
     if floor:
         print(f"one core retires {rate / 1e9:.2f} G vpdpbusd/vpdpwssd per second: the kernel's {instructions:,} per "
               f"call take at least {floor:.1f} µs on one core")
-    print(f"{args.slots} slots, {args.cache} cache, µs per call (median of {args.rounds} "
+    print(f"{args.slots} slots, {args.cache} cache ({args.layout}), µs per call (median of {args.rounds} "
           "rounds of best-of):")
     print(markdown_table(["cache in", "kernel threads", "kernel µs per call", "one core reading the same bytes, µs",
                           "integer dot products"], rows))
-    save("kernel_cache_levels" + {"int8": "", "float32": "_float", "float16": "_float16"}[args.cache],
-         {"slots": args.slots, "rounds": args.rounds, "cache": args.cache,
+    save("kernel_cache_levels" + {"int8": "", "float32": "_float", "float16": "_float16"}[args.cache]
+         + ("_head_major" if args.layout == "head-major" else ""),
+         {"slots": args.slots, "rounds": args.rounds, "cache": args.cache, "layout": args.layout,
           "dot_products_per_second": rate, "dot_products_per_call": instructions, "arithmetic_floor_us": floor,
           "results": results})
 
