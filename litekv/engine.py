@@ -20,6 +20,7 @@ import numpy as np
 
 from litekv.errors import BackendError, Cancelled, ChatTemplateError, ConfigError, ContextFull, SessionFormatError
 from litekv.executor import LoraAdapter, LoraError, LoraInUse, SamplerParams, load_peft_adapter
+from litekv.executor.base import non_finite_logits_advice
 from litekv.executor.lora import adapter_rank
 from litekv.kv_cache import KVCache, KVCacheError, KVCacheMismatch
 from litekv.sampling import all_finite, sample_token
@@ -370,9 +371,8 @@ class Session:
                 self.kv_cache.set_num_tokens(position)
                 raise BackendError(
                     f"the model's logits at position {position} hold NaN or infinite values, so no token can be "
-                    f"sampled; the session keeps its {len(self._tokens)} tokens. Check the model in "
-                    f"{getattr(executor, 'bundle_path', None) or 'this engine'} and any LoRA adapter (damaged weights, or "
-                    "values beyond float32), or reconvert the model.")
+                    f"sampled; the session keeps its {len(self._tokens)} tokens. "
+                    f"{non_finite_logits_advice(executor.bundle_path, 'any LoRA adapter')}")
             self._seen_tokens().penalize(logits, sampler.repetition_penalty)
             params = sampler.params
             token = (int(np.argmax(logits)) if params.greedy else

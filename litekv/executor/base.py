@@ -476,6 +476,14 @@ class ExternalSamplerExecutor(ExecutorBase):
         a fresh one, or one from `self._logits.take`."""
 
 
+def non_finite_logits_advice(bundle_path: Path | None, adapter: str | None) -> str:
+    """What an error about logits holding NaN or infinite values tells the user to check."""
+    model = "the model" + (f" in {bundle_path}" if bundle_path is not None else "")
+    if adapter is not None:
+        model += f" and {adapter}"
+    return f"Check {model} (damaged weights, or values beyond float32), or reconvert the model."
+
+
 class InternalSamplerExecutor(ExecutorBase):
     """N decode steps sample inside the model; only token ids come back."""
 
@@ -519,13 +527,11 @@ class InternalSamplerExecutor(ExecutorBase):
         """The error of a step whose sampled ids [batch] hold SAMPLER_NON_FINITE."""
         rows = np.flatnonzero(sampled == SAMPLER_NON_FINITE).tolist()
         where = f"batch row{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows))}"
-        model = "the model" + (f" in {self.bundle_path}" if self.bundle_path is not None else "")
-        if lora_id is not None:
-            model += f" and LoRA adapter {lora_id}"
+        adapter = None if lora_id is None else f"LoRA adapter {lora_id}"
         return BackendError(
             f"{self.backend}: the logits of sample_tokens step {step} (position {kv_cache.num_tokens}, {where}) hold "
             f"NaN or infinite values, so no token can be sampled; the KV cache keeps the {kv_cache.num_tokens} tokens "
-            f"before that step. Check {model} (damaged weights, or values beyond float32), or reconvert the model.")
+            f"before that step. {non_finite_logits_advice(self.bundle_path, adapter)}")
 
     @abstractmethod
     def _sample(self, tokens: np.ndarray, kv_cache: KVCache, adapter: LoraAdapter | None,
